@@ -1,0 +1,21 @@
+"""The actor API, with the names of Meta's Monarch `monarch.actor`.
+
+Spawn processes with `this_host().spawn_procs(per_host={...})`, actors with `procs.spawn(...)`, and call
+endpoints with `call`, `call_one`, `choose`, `broadcast` and `stream`.
+"""
+from __future__ import annotations
+
+from monarch.errors import ActorError, SupervisionError
+from monarch.runtime.commands import MeshFailure
+from monarch.runtime.context import current_rank, current_size
+from monarch.runtime.endpoint import Actor, Endpoint, endpoint
+from monarch.runtime.futures import Future, ValueMesh
+from monarch.runtime.mesh import ActorMesh, EndpointRef
+from monarch.runtime.procs import HostMesh, ProcMesh, this_host
+from monarch.runtime.shape import Extent, Point, Shape
+
+__all__ = [
+    "Actor", "ActorError", "ActorMesh", "Endpoint", "EndpointRef", "Extent", "Future", "HostMesh", "MeshFailure",
+    "Point", "ProcMesh", "Shape", "SupervisionError", "ValueMesh", "current_rank", "current_size", "endpoint",
+    "this_host",
+]

@@ -1,0 +1,81 @@
+"""Every environment flag monarch reads, declared once and typed.
+
+Read a flag through its accessor (`config.debug()`), never `os.environ` elsewhere; the table below is
+the documentation (`python -m monarch.config` prints it).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    default: str
+    help: str
+
+    def raw(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+
+FLAGS: dict[str, Flag] = {f.name: f for f in [
+    Flag("MONARCH_DEBUG", "0", "1 logs control-plane events at DEBUG level"),
+    Flag("MONARCH_HOST", "127.0.0.1", "address the controller's control socket binds to"),
+    Flag("MONARCH_MPIEXEC", "", "path of the mpiexec to launch workers with (default: the venv's MPICH)"),
+    Flag("MONARCH_SPAWN_TIMEOUT", "60", "seconds to wait for every worker to connect back"),
+    Flag("MONARCH_MAX_FRAME", str(1 << 30), "largest control-plane frame in bytes"),
+    Flag("MONARCH_DEATH_GRACE", "0.3", "seconds to wait for a dead worker's exit status before failing"),
+    Flag("MONARCH_TRANSPORT", "mpi", "data plane between workers: mpi, verbs or shm"),
+    Flag("MONARCH_STRICT", "0", "1 turns the replicated fallback for ops without a rule into an error"),
+]}
+
+
+def _get(name: str, cast: Callable[[str], object]):
+    flag = FLAGS[name]
+    try:
+        return cast(flag.raw())
+    except ValueError as e:
+        raise ValueError(f"{name}={flag.raw()!r} is not valid ({flag.help}): {e}") from None
+
+
+def _bool(s: str) -> bool:
+    return s.strip().lower() in ("1", "true", "yes", "on")
+
+
+def debug() -> bool:
+    return bool(_get("MONARCH_DEBUG", _bool))
+
+
+def host() -> str:
+    return str(_get("MONARCH_HOST", str))
+
+
+def mpiexec() -> str:
+    return str(_get("MONARCH_MPIEXEC", str))
+
+
+def spawn_timeout() -> float:
+    return float(_get("MONARCH_SPAWN_TIMEOUT", float))  # type: ignore[arg-type]
+
+
+def max_frame() -> int:
+    return int(_get("MONARCH_MAX_FRAME", int))  # type: ignore[arg-type]
+
+
+def death_grace() -> float:
+    return float(_get("MONARCH_DEATH_GRACE", float))  # type: ignore[arg-type]
+
+
+def transport() -> str:
+    return str(_get("MONARCH_TRANSPORT", str))
+
+
+def strict() -> bool:
+    return bool(_get("MONARCH_STRICT", _bool))
+
+
+if __name__ == "__main__":
+    for f in FLAGS.values():
+        print(f"{f.name:24} default {f.default!r:14} {f.help}")

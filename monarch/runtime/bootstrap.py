@@ -1,0 +1,141 @@
+"""Worker start-up under mpiexec: find the rank, fork a monitor, join MPI, connect back, authenticate.
+
+The process mpiexec starts forks. The child becomes the worker (it joins MPI and serves the control
+plane); the parent stays a small monitor that prefixes the child's output with its mesh coordinates and,
+if the child dies abnormally, reports the exit status to the controller before exiting with it.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import select
+import signal
+import socket
+import sys
+from collections import deque
+from dataclasses import dataclass
+
+from monarch.runtime.codec import ROLE_MONITOR, ROLE_WORKER, Header, encode_frame
+from monarch.runtime.commands import Hello, ProcExit
+from monarch.runtime.shape import Shape
+
+TOKEN_ENV = "MONARCH_WORKER_TOKEN"
+_RANK_ENVS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the controller told this process on its command line (the token comes by environment)."""
+    host: str
+    port: int
+    mesh_id: int
+    shape: Shape
+    token: bytes
+    rank: int
+
+    def header(self, role: int) -> bytes:
+        return Header(self.mesh_id, role, self.rank, self.token).encode()
+
+    def connect(self, timeout: float) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+
+@dataclass(frozen=True)
+class Boot:
+    """A started worker: its authenticated control socket and its rank."""
+    sock: socket.socket
+    rank: int
+
+
+def parse(argv: list[str]) -> Launch:
+    p = argparse.ArgumentParser(prog="python -m monarch.runtime.worker")
+    p.add_argument("--controller", required=True, help="host:port of the controller's control socket")
+    p.add_argument("--mesh-id", type=int, required=True)
+    p.add_argument("--dims", required=True, help="mesh dims, e.g. dp=2,tp=2")
+    p.add_argument("--owner", type=int, default=0, help="pid of the controller (for process listings)")
+    a = p.parse_args(argv)
+    host, port = a.controller.rsplit(":", 1)
+    dims = [d.split("=") for d in a.dims.split(",") if d]
+    shape = Shape.row_major(tuple(k for k, _ in dims), tuple(int(v) for _, v in dims))
+    token = bytes.fromhex(os.environ.pop(TOKEN_ENV, ""))
+    rank = next((int(os.environ[k]) for k in _RANK_ENVS if k in os.environ), 0)
+    return Launch(host, int(port), a.mesh_id, shape, token, rank)
+
+
+def start(argv: list[str]) -> Boot:
+    """Returns only in the worker child; the monitor parent exits with the child's status."""
+    launch = parse(argv)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    parent = os.getpid()
+    child = os.fork()
+    if child:
+        os.close(out_w), os.close(err_w)
+        prefix = f"[{launch.shape.point(launch.rank).label()}] ".encode()
+        os._exit(_monitor(launch, child, {out_r: 1, err_r: 2}, prefix))
+    os.close(out_r), os.close(err_r)
+    os.dup2(out_w, 1), os.dup2(err_w, 2)
+    os.close(out_w), os.close(err_w)
+    _die_with_parent(parent)
+    from mpi4py import MPI  # joins the MPI job: rank and size come from the process manager
+    world = MPI.COMM_WORLD
+    assert world.Get_rank() == launch.rank, (world.Get_rank(), launch.rank)
+    assert world.Get_size() == len(launch.shape), (world.Get_size(), launch.shape)
+    sock = launch.connect(timeout=30)
+    sock.sendall(launch.header(ROLE_WORKER) + encode_frame([Hello(os.getpid(), socket.gethostname())]))
+    return Boot(sock, launch.rank)
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _monitor(launch: Launch, child: int, pipes: dict[int, int], prefix: bytes) -> int:
+    """Forward the child's output line by line with `prefix`; report an abnormal exit."""
+    partial = {fd: b"" for fd in pipes}
+    tail: deque[str] = deque(maxlen=20)
+    while partial:
+        for fd in select.select(list(partial), [], [])[0]:
+            data = os.read(fd, 65536)
+            lines = (partial[fd] + data).split(b"\n")
+            if not data:
+                lines, rest = [ln for ln in lines if ln], None
+            else:
+                rest = lines.pop()
+            for ln in lines:
+                _write(pipes[fd], prefix + ln + b"\n")
+                if pipes[fd] == 2:
+                    tail.append(ln.decode(errors="replace"))
+            if rest is None:
+                del partial[fd]
+            else:
+                partial[fd] = rest
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        _report(launch, ProcExit(launch.rank, child, status, "\n".join(tail)))
+    return code if code >= 0 else 128 - code
+
+
+def _write(fd: int, data: bytes) -> None:
+    try:
+        os.write(fd, data)
+    except OSError:
+        pass
+
+
+def _report(launch: Launch, msg: ProcExit) -> None:
+    try:
+        with launch.connect(timeout=5) as sock:
+            sock.sendall(launch.header(ROLE_MONITOR) + encode_frame([msg]))
+    except OSError as e:
+        print(f"monarch monitor: could not report rank {launch.rank}'s exit: {e}", file=sys.stderr)

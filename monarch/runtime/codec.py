@@ -1,0 +1,109 @@
+"""Bytes on the control plane: the authentication handshake, length-prefixed frames and payload pickling.
+
+A connection opens with a fixed-size raw header (magic, mesh id, role, rank, token) that is checked
+before anything is decoded; then frames of `!I` length + a pickled list of messages follow. User payloads
+use plain pickle when they are plain data and cloudpickle otherwise (classes defined in `__main__`).
+"""
+from __future__ import annotations
+
+import hmac
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from monarch.errors import TransportError
+
+MAGIC = b"MNR1"
+TOKEN_BYTES = 32
+_HEADER = struct.Struct(f"!4sIBI{TOKEN_BYTES}s")
+HEADER_SIZE = _HEADER.size
+_LEN = struct.Struct("!I")
+ROLE_WORKER, ROLE_MONITOR = 0, 1
+_PLAIN = (int, float, str, bytes, bool, type(None))
+
+
+@dataclass(frozen=True)
+class Header:
+    """The handshake a peer opens its connection with."""
+    mesh_id: int
+    role: int
+    rank: int
+    token: bytes
+
+    def encode(self) -> bytes:
+        return _HEADER.pack(MAGIC, self.mesh_id, self.role, self.rank, self.token)
+
+    @staticmethod
+    def decode(raw: bytes) -> Header | None:
+        """The header, or None when `raw` is not a well-formed monarch header."""
+        if len(raw) != HEADER_SIZE:
+            return None
+        magic, mesh_id, role, rank, token = _HEADER.unpack(raw)
+        if magic != MAGIC or role not in (ROLE_WORKER, ROLE_MONITOR):
+            return None
+        return Header(mesh_id, role, rank, token)
+
+    def authentic(self, token: bytes) -> bool:
+        return hmac.compare_digest(self.token, token)
+
+
+def encode_frame(messages: list[Any]) -> bytes:
+    """One frame carrying many messages."""
+    body = pickle.dumps(messages, protocol=5)
+    return _LEN.pack(len(body)) + body
+
+
+class FrameReader:
+    """Incremental frame splitter: feed received bytes, get whole frame bodies back."""
+
+    def __init__(self, max_frame: int) -> None:
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf
+        buf += data
+        out, pos = [], 0
+        while len(buf) - pos >= 4:
+            (n,) = _LEN.unpack_from(buf, pos)
+            if n > self._max:
+                raise TransportError(f"frame of {n} bytes exceeds MONARCH_MAX_FRAME={self._max}")
+            if len(buf) - pos - 4 < n:
+                break
+            out.append(bytes(buf[pos + 4:pos + 4 + n]))
+            pos += 4 + n
+        del buf[:pos]
+        return out
+
+
+def decode_frame(body: bytes) -> list[Any]:
+    msgs = pickle.loads(body)
+    if not isinstance(msgs, list):
+        raise TransportError(f"frame decoded to {type(msgs).__name__}, not a list of messages")
+    return msgs
+
+
+def _is_plain(obj: Any, depth: int = 0) -> bool:
+    if isinstance(obj, _PLAIN):
+        return True
+    if depth > 3:
+        return False
+    if type(obj) in (tuple, list):
+        return all(_is_plain(x, depth + 1) for x in obj)
+    if type(obj) is dict:
+        return all(type(k) is str and _is_plain(v, depth + 1) for k, v in obj.items())
+    return False
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle a user payload: plain pickle for plain data, cloudpickle for code and `__main__` classes."""
+    if _is_plain(obj):
+        return pickle.dumps(obj, protocol=5)
+    return cloudpickle.dumps(obj, protocol=5)
+
+
+def loads(data: bytes) -> Any:
+    return pickle.loads(data)

@@ -1,0 +1,106 @@
+"""Control-plane messages: frozen dataclasses, the only things that travel between processes.
+
+Controller -> worker: SpawnActor, Call, Stop, Supervise. Worker -> controller: Hello, Reply, Forward,
+Watch. Monitor -> controller: ProcExit. Payloads a user supplies (classes, arguments, return values)
+stay opaque bytes so that one bad payload fails one call, never the connection.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from monarch.runtime.shape import Shape
+
+CONTROLLER = 0  # the `reply_to` address of the controller itself; workers get addresses >= 1
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First frame of a worker after the handshake."""
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnActor:
+    """Construct actor `name` from a pickled class and arguments; `shape` is the actor mesh's view."""
+    name: str
+    cls: bytes
+    args: bytes
+    shape: Shape
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run `endpoint` of actor `actor`; the reply goes to address `reply_to` under `call_id`."""
+    call_id: int
+    reply_to: int
+    actor: str
+    endpoint: str
+    args: bytes
+    want_reply: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The outcome of one Call on one rank: a pickled value, or a pickled exception when not ok."""
+    call_id: int
+    reply_to: int
+    rank: int
+    ok: bool
+    value: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """A call that an actor makes on another actor mesh, routed by the controller."""
+    mesh_id: int
+    shape: Shape
+    call: Call
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Finish the queued work, close the connection and exit cleanly."""
+
+
+@dataclass(frozen=True, slots=True)
+class MeshFailure:
+    """A worker process of a mesh died: what `__supervise__` receives and SupervisionError reports."""
+    mesh: str
+    rank: int
+    coords: str
+    pid: int
+    status: str
+
+    def message(self) -> str:
+        where = f"rank {self.rank} ({self.coords})" if self.coords else f"rank {self.rank}"
+        return f"mesh {self.mesh!r}: worker {where}, pid {self.pid}, {self.status}"
+
+
+@dataclass(frozen=True, slots=True)
+class Supervise:
+    """Tell a worker's actors that define `__supervise__` about a failure elsewhere."""
+    failure: MeshFailure
+
+
+@dataclass(frozen=True, slots=True)
+class ProcExit:
+    """Sent by a rank's monitor when its worker exits abnormally (os.wait status)."""
+    rank: int
+    pid: int
+    wait_status: int
+    stderr_tail: str
+
+
+def describe_status(wait_status: int) -> str:
+    """`killed by signal 9 (SIGKILL)` or `exited with code 3`."""
+    if os.WIFSIGNALED(wait_status):
+        sig = os.WTERMSIG(wait_status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = "unknown"
+        return f"killed by signal {sig} ({name})"
+    return f"exited with code {os.waitstatus_to_exitcode(wait_status)}"

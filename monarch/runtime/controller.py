@@ -1,0 +1,403 @@
+"""The controller: owns worker processes, routes control-plane messages, supervises meshes.
+
+One background thread polls every socket and pipe (epoll): it authenticates new connections, delivers
+replies to CallStates, forwards actor-to-actor calls, copies worker output to this process's stdout and
+stderr, and fails every pending call of a mesh whose worker died. User threads send directly.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import secrets
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Any
+
+from monarch import config
+from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
+from monarch.runtime import codec, launch
+from monarch.runtime.commands import (CONTROLLER, Call, Forward, Hello, MeshFailure, ProcExit, Reply, Stop,
+                                      Supervise, describe_status)
+from monarch.runtime.futures import CallState
+from monarch.runtime.shape import Shape
+
+log = logging.getLogger("monarch.controller")
+
+
+class Conn:
+    """One accepted socket: unauthenticated until its header checks out, then a worker or a monitor."""
+
+    def __init__(self, sock: socket.socket, addr: int) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.lock = threading.Lock()
+        self.head = b""
+        self.header: codec.Header | None = None
+        self.reader = codec.FrameReader(config.max_frame())
+        self.mesh: Mesh | None = None
+        self.opened = time.monotonic()
+
+    def send(self, frame: bytes) -> None:
+        with self.lock:
+            self.sock.sendall(frame)
+
+
+class ForwardSink:
+    """Replies to a call an actor made: relayed to the calling worker's connection."""
+
+    def __init__(self, source: Conn, call: Call, shape: Shape) -> None:
+        self.source, self.call, self.missing = source, call, set(shape.ranks())
+
+    @property
+    def done(self) -> bool:
+        return not self.missing
+
+    def deliver(self, rank: int, ok: bool, payload: Any) -> None:
+        if rank in self.missing:
+            self.missing.discard(rank)
+            value = payload if isinstance(payload, bytes) else codec.dumps(payload)
+            try:
+                self.source.send(codec.encode_frame([Reply(self.call.call_id, self.call.reply_to, rank, ok, value)]))
+            except OSError:
+                pass
+
+    def fail_missing(self, exc: BaseException) -> None:
+        for r in sorted(self.missing):
+            self.deliver(r, False, exc)
+
+
+class Mesh:
+    """Controller-side record of one MPI job: its connections, pending calls and fate."""
+
+    def __init__(self, mesh_id: int, name: str, shape: Shape, token: bytes) -> None:
+        self.id, self.name, self.shape, self.token = mesh_id, name, shape, token
+        self.conns: list[Conn | None] = [None] * len(shape)
+        self.pids: list[int] = [0] * len(shape)
+        self.pending: dict[tuple[int, int], CallState | ForwardSink] = {}
+        self.actors: set[str] = set()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.settled = threading.Event()  # every worker said hello, or the mesh failed
+        self.failure: SupervisionError | None = None
+        self.stopping = False
+        self.lost: dict[int, float] = {}  # rank -> deadline for its monitor's exit report
+        self.stderr_tail: deque[str] = deque(maxlen=40)
+
+    def coords(self, rank: int) -> str:
+        return self.shape.point(rank).label() if 0 <= rank < len(self.shape) else "?"
+
+    @property
+    def live(self) -> bool:
+        return self.failure is None and not self.stopping
+
+
+class Controller:
+    """The process-wide control plane; the `Client` that meshes send with on the controller."""
+    threaded = True
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server((config.host(), 0))
+        self._listener.setblocking(False)
+        self.address = "%s:%d" % self._listener.getsockname()[:2]
+        self._ids = itertools.count(1)
+        self._addrs = itertools.count(CONTROLLER + 1)
+        self._mesh_ids = itertools.count(1)
+        self.meshes: dict[int, Mesh] = {}
+        self._fds: dict[int, Any] = {}
+        self._poll = select.epoll()
+        self._watch(self._listener.fileno(), self._accept)
+        self._thread = threading.Thread(target=self._loop, name="monarch-controller", daemon=True)
+        self._thread.start()
+        atexit.register(self.shutdown)
+
+    # -- client protocol -------------------------------------------------------------------------
+    def next_call_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None:
+        mesh = self.mesh(mesh_id)
+        if state is not None:
+            mesh.pending[(CONTROLLER, call.call_id)] = state
+        if mesh.failure is not None or mesh.stopping:
+            err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} is stopped; spawn a new one")
+            if state is None:
+                raise err
+            state.fail_missing(err)
+            return
+        self._fan_out(mesh, shape, codec.encode_frame([call]))
+
+    def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
+        with state.cond:
+            while len(state.arrived) < arrived:
+                timeout = None if deadline is None else deadline - time.monotonic()
+                if timeout is not None and timeout <= 0:
+                    return
+                state.cond.wait(timeout)
+
+    def mesh(self, mesh_id: int) -> Mesh:
+        try:
+            return self.meshes[mesh_id]
+        except KeyError:
+            raise MeshError(f"proc mesh {mesh_id} does not exist in this controller (stopped, or from "
+                            "another process)") from None
+
+    def _fan_out(self, mesh: Mesh, shape: Shape, frame: bytes) -> None:
+        for r in shape.ranks():
+            conn = mesh.conns[r]
+            try:
+                assert conn is not None, f"rank {r} of {mesh.name} has no connection"
+                conn.send(frame)
+            except (OSError, AssertionError):
+                self._conn_lost(mesh, r)
+
+    # -- spawning and stopping -------------------------------------------------------------------
+    def spawn(self, name: str, shape: Shape, hosts: list[str], env: dict[str, str] | None) -> Mesh:
+        mesh = Mesh(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES))
+        cmd = launch.command(launch.find_mpiexec(), shape, hosts, self.address, mesh.id)
+        self.meshes[mesh.id] = mesh
+        try:
+            mesh.proc = launch.start(cmd, launch.worker_env(mesh.token, env))
+        except SpawnError:
+            del self.meshes[mesh.id]
+            raise
+        assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
+        self._watch(mesh.proc.stdout.fileno(), lambda: self._output(mesh, mesh.proc.stdout, sys.stdout))
+        self._watch(mesh.proc.stderr.fileno(), lambda: self._output(mesh, mesh.proc.stderr, sys.stderr))
+        timeout = config.spawn_timeout()
+        if not mesh.settled.wait(timeout) or mesh.failure is not None:
+            why = mesh.failure or f"not every worker connected within {timeout} s (MONARCH_SPAWN_TIMEOUT)"
+            self.stop(mesh, grace=0.5)
+            tail = "\n".join(mesh.stderr_tail) or "(nothing)"
+            raise SpawnError(f"spawning mesh {name!r} ({' '.join(cmd[:3])} ...) failed: {why}\n"
+                             f"worker stderr, last lines:\n{tail}")
+        return mesh
+
+    def stop(self, mesh: Mesh, grace: float = 5.0) -> None:
+        """Ask every worker to exit, wait for the job, and kill whatever is left of it."""
+        if mesh.stopping:
+            return
+        mesh.stopping = True
+        self._fan_out(mesh, Shape.row_major(("r",), (len(mesh.shape),)), codec.encode_frame([Stop()]))
+        if mesh.proc is not None:
+            launch.terminate(mesh.proc, grace)
+        err = SupervisionError(f"mesh {mesh.name!r} was stopped")
+        for sink in list(mesh.pending.values()):
+            sink.fail_missing(err)
+        mesh.pending.clear()
+        for conn in mesh.conns:
+            if conn is not None:
+                self._close(conn)
+        self.meshes.pop(mesh.id, None)
+
+    def shutdown(self) -> None:
+        for mesh in list(self.meshes.values()):
+            self.stop(mesh, grace=2.0)
+
+    # -- the polling thread ----------------------------------------------------------------------
+    def _watch(self, fd: int, handler: Any) -> None:
+        self._fds[fd] = handler
+        self._poll.register(fd, select.EPOLLIN)
+
+    def _unwatch(self, fd: int) -> None:
+        if self._fds.pop(fd, None) is not None:
+            self._poll.unregister(fd)
+
+    def _loop(self) -> None:
+        while True:
+            for fd, _ in self._poll.poll(self._next_timeout()):
+                handler = self._fds.get(fd)
+                if handler is not None:
+                    try:
+                        handler()
+                    except Exception:  # noqa: BLE001 - the control plane must survive any one peer
+                        log.exception("monarch controller: error while handling fd %d", fd)
+            self._expire()
+
+    def _next_timeout(self) -> float:
+        deadlines = [d for m in list(self.meshes.values()) for d in m.lost.values()]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else 1.0
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for r in [h for h in list(self._fds.values()) if isinstance(h, _ConnReader) and h.conn.header is None]:
+            if now - r.conn.opened > 5.0:
+                log.warning("monarch controller: dropped a connection that sent no handshake in 5 s")
+                self._close(r.conn)
+        for mesh in list(self.meshes.values()):
+            for rank, deadline in list(mesh.lost.items()):
+                if now >= deadline:
+                    self._fail(mesh, rank, mesh.pids[rank], "lost its control connection (exit status unknown)")
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(True)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Conn(sock, next(self._addrs))
+        self._watch(sock.fileno(), _ConnReader(self, conn))
+
+    def _close(self, conn: Conn) -> None:
+        if conn.sock.fileno() >= 0:
+            self._unwatch(conn.sock.fileno())
+            conn.sock.close()
+
+    def _output(self, mesh: Mesh, pipe: Any, stream: Any) -> None:
+        data = pipe.read1(65536)
+        if not data:
+            self._unwatch(pipe.fileno())
+            if stream is sys.stderr:
+                self._job_exited(mesh)
+            return
+        text = data.decode(errors="replace")
+        if stream is sys.stderr:
+            mesh.stderr_tail.extend(text.splitlines())
+        stream.write(text)
+        stream.flush()
+
+    def _job_exited(self, mesh: Mesh) -> None:
+        assert mesh.proc is not None
+        try:
+            code = mesh.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return
+        if mesh.live:
+            self._fail(mesh, -1, mesh.proc.pid, f"mpiexec exited with code {code}")
+
+    # -- messages from authenticated peers -------------------------------------------------------
+    def _authenticate(self, conn: Conn, header: codec.Header | None) -> bool:
+        mesh = self.meshes.get(header.mesh_id) if header else None
+        if header is None or mesh is None or not header.authentic(mesh.token):
+            log.warning("monarch controller: rejected a connection with a bad handshake")
+            return False
+        if header.role == codec.ROLE_WORKER:
+            if not 0 <= header.rank < len(mesh.shape) or mesh.conns[header.rank] is not None:
+                log.warning("monarch controller: rejected a duplicate or out-of-range worker rank %d", header.rank)
+                return False
+            mesh.conns[header.rank] = conn
+        conn.header, conn.mesh = header, mesh
+        return True
+
+    def _handle(self, conn: Conn, msg: Any) -> None:
+        mesh = conn.mesh
+        assert mesh is not None and conn.header is not None
+        kind = type(msg)
+        if kind is Reply:
+            sink = mesh.pending.get((msg.reply_to, msg.call_id))
+            if sink is not None:
+                sink.deliver(msg.rank, msg.ok, msg.value)
+                if sink.done:
+                    mesh.pending.pop((msg.reply_to, msg.call_id), None)
+        elif kind is Forward:
+            self._forward(conn, msg)
+        elif kind is Hello:
+            mesh.pids[conn.header.rank] = msg.pid
+            if all(c is not None for c in mesh.conns) and all(mesh.pids):
+                mesh.settled.set()
+        elif kind is ProcExit:
+            mesh.stderr_tail.extend(msg.stderr_tail.splitlines())
+            self._fail(mesh, msg.rank, msg.pid, describe_status(msg.wait_status))
+        else:
+            log.warning("monarch controller: dropped unexpected %s from rank %d", kind.__name__, conn.header.rank)
+
+    def _forward(self, source: Conn, msg: Forward) -> None:
+        call = replace(msg.call, reply_to=source.addr)
+        target = self.meshes.get(msg.mesh_id)
+        sink = ForwardSink(source, call, msg.shape)
+        if target is None or not target.live:
+            if call.want_reply:
+                sink.fail_missing(target.failure if target and target.failure else
+                                  SupervisionError(f"mesh {msg.mesh_id} is stopped"))
+            return
+        if call.want_reply:
+            target.pending[(source.addr, call.call_id)] = sink
+        self._fan_out(target, msg.shape, codec.encode_frame([call]))
+
+    def _peer_closed(self, conn: Conn) -> None:
+        self._close(conn)
+        mesh, header = conn.mesh, conn.header
+        if mesh is not None and header is not None and header.role == codec.ROLE_WORKER:
+            self._conn_lost(mesh, header.rank)
+
+    def _conn_lost(self, mesh: Mesh, rank: int) -> None:
+        if mesh.live and rank not in mesh.lost:
+            mesh.lost[rank] = time.monotonic() + config.death_grace()
+
+    def _fail(self, mesh: Mesh, rank: int, pid: int, status: str) -> None:
+        """Fail every pending and later call on `mesh`, tell supervisors, tear the job down."""
+        mesh.lost.clear()
+        if not mesh.live:
+            return
+        failure = MeshFailure(mesh.name, rank, mesh.coords(rank) if rank >= 0 else "", pid, status)
+        mesh.failure = SupervisionError(failure.message() + "; spawn a new proc mesh to continue",
+                                        rank=rank, coords=failure.coords, status=status)
+        mesh.settled.set()
+        for sink in list(mesh.pending.values()):
+            sink.fail_missing(mesh.failure)
+        mesh.pending.clear()
+        log.warning("monarch: %s", failure.message())
+        if mesh.proc is not None:
+            launch.kill_group(mesh.proc)
+        frame = codec.encode_frame([Supervise(failure)])
+        for other in list(self.meshes.values()):
+            if other.live:
+                self._fan_out(other, Shape.row_major(("r",), (len(other.shape),)), frame)
+
+
+class _ConnReader:
+    """The poll handler of one connection: handshake first, then frames."""
+
+    def __init__(self, ctl: Controller, conn: Conn) -> None:
+        self.ctl, self.conn = ctl, conn
+
+    def __call__(self) -> None:
+        conn = self.conn
+        try:
+            data = conn.sock.recv(1 << 20)
+        except OSError:
+            data = b""
+        if not data:
+            self.ctl._peer_closed(conn)
+            return
+        if conn.header is None:
+            conn.head += data
+            if len(conn.head) < codec.HEADER_SIZE:
+                return
+            data, conn.head = conn.head[codec.HEADER_SIZE:], conn.head[:codec.HEADER_SIZE]
+            if not self.ctl._authenticate(conn, codec.Header.decode(conn.head)):
+                self.ctl._close(conn)
+                return
+        try:
+            bodies = conn.reader.feed(data)
+        except TransportError as e:
+            log.warning("monarch controller: closing rank %s: %s", conn.header.rank, e)
+            self.ctl._peer_closed(conn)
+            return
+        for body in bodies:
+            try:
+                msgs = codec.decode_frame(body)
+            except Exception as e:  # noqa: BLE001 - a malformed frame is dropped, the peer stays
+                log.warning("monarch controller: dropped a malformed frame from rank %s: %r", conn.header.rank, e)
+                continue
+            for msg in msgs:
+                self.ctl._handle(conn, msg)
+
+
+_controller: Controller | None = None
+_controller_lock = threading.Lock()
+
+
+def controller() -> Controller:
+    """The process's controller, started on first use."""
+    global _controller
+    with _controller_lock:
+        if _controller is None:
+            _controller = Controller()
+        return _controller

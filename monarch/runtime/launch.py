@@ -1,0 +1,83 @@
+"""Starting and stopping the MPI job that hosts a proc mesh (controller side).
+
+Finds the pip-installed MPICH `mpiexec` (never a system one of another MPI), builds the command line,
+starts it in its own process group with the worker environment, and tears the group down.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from monarch import config
+from monarch.errors import SpawnError
+from monarch.runtime.bootstrap import TOKEN_ENV
+from monarch.runtime.shape import Shape
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def find_mpiexec() -> str:
+    """MONARCH_MPIEXEC, else the `mpiexec` next to this Python (the `mpich` wheel's)."""
+    configured = config.mpiexec()
+    candidates = [configured] if configured else [
+        str(Path(sys.executable).parent / "mpiexec"), str(Path(sysconfig.get_path("scripts")) / "mpiexec")]
+    for c in candidates:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise SpawnError(f"mpiexec not found at {' or '.join(candidates)}; install MPICH into this environment "
+                     "(pip install mpich) or set MONARCH_MPIEXEC to the mpiexec of the MPI that mpi4py uses")
+
+
+def command(mpiexec: str, shape: Shape, hosts: list[str], control: str, mesh_id: int) -> list[str]:
+    """The mpiexec command line; one rank per point of `shape`, spread evenly over `hosts`."""
+    dims = ",".join(f"{k}={n}" for k, n in zip(shape.labels, shape.sizes, strict=True))
+    cmd = [mpiexec, "-n", str(len(shape))]
+    if hosts == ["localhost"]:
+        cmd += ["-launcher", "fork"]
+    else:
+        cmd += ["-hosts", ",".join(hosts), "-ppn", str(len(shape) // len(hosts))]
+    return cmd + [sys.executable, "-m", "monarch.runtime.worker", "--controller", control,
+                  "--mesh-id", str(mesh_id), "--dims", dims, "--owner", str(os.getpid())]
+
+
+def worker_env(token: bytes, extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra or {})
+    env[TOKEN_ENV] = token.hex()
+    env["PYTHONUNBUFFERED"] = "1"
+    path = [p for p in ((extra or {}).get("PYTHONPATH", ""), _PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    return env
+
+
+def start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    try:
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as e:
+        raise SpawnError(f"could not start {cmd[0]}: {e}") from e
+
+
+def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def terminate(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """Wait up to `grace` seconds for a clean exit, then SIGTERM, then SIGKILL the whole group."""
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            kill_group(proc, sig)
+        try:
+            code = proc.wait(timeout=grace)
+            kill_group(proc, signal.SIGKILL)  # nothing of the job may outlive it
+            return code
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait(timeout=grace)

@@ -1,0 +1,97 @@
+"""Host and proc meshes on the controller: `this_host()`, `HostMesh.spawn_procs`, `ProcMesh`.
+
+A ProcMesh is a named-dim view of one MPI job. Its dims are the `per_host` dims, with a leading
+`hosts` dim when the host mesh has more than one host. Stopping any view stops the whole job.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from monarch.errors import MeshError
+from monarch.runtime import codec
+from monarch.runtime.commands import SpawnActor
+from monarch.runtime.controller import Mesh, controller
+from monarch.runtime.endpoint import endpoints_of
+from monarch.runtime.mesh import ActorMesh
+from monarch.runtime.shape import MeshView, Shape
+
+
+class HostMesh(MeshView):
+    """Hosts that can run workers. `this_host()` is one host whose dim is dropped from proc meshes."""
+
+    def __init__(self, hosts: list[str]) -> None:
+        if not hosts:
+            raise MeshError("a HostMesh needs at least one host")
+        self._hosts = list(hosts)
+        self._shape = Shape.row_major(("hosts",), (len(hosts),))
+
+    def _with_shape(self, shape: Shape) -> HostMesh:
+        return HostMesh([self._hosts[r] for r in shape.ranks()])
+
+    def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str = "procs",
+                    env: dict[str, str] | None = None) -> ProcMesh:
+        """Start one worker per point of `per_host` on every host, as one MPI job."""
+        per_host = dict(per_host or {"gpus": 1})
+        if "hosts" in per_host:
+            raise MeshError("per_host may not name a dim 'hosts'; that dim is the host mesh's own")
+        labels, sizes = tuple(per_host), tuple(int(n) for n in per_host.values())
+        if len(self._hosts) > 1:
+            labels, sizes = ("hosts", *labels), (len(self._hosts), *sizes)
+        shape = Shape.row_major(labels, sizes)
+        mesh = controller().spawn(name, shape, self._hosts, env)
+        return ProcMesh(mesh, shape)
+
+    def __repr__(self) -> str:
+        return f"<HostMesh {self._hosts}>"
+
+
+def this_host() -> HostMesh:
+    """The machine the controller runs on."""
+    return HostMesh(["localhost"])
+
+
+class ProcMesh(MeshView):
+    """Worker processes with named dims; spawn actors on them, stop them when done."""
+
+    def __init__(self, mesh: Mesh, shape: Shape) -> None:
+        self._mesh = mesh
+        self._shape = shape
+
+    def _with_shape(self, shape: Shape) -> ProcMesh:
+        return ProcMesh(self._mesh, shape)
+
+    @property
+    def name(self) -> str:
+        return self._mesh.name
+
+    def spawn(self, name: str, actor_cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
+        """Construct `actor_cls(*args, **kwargs)` on every proc of this view; returns at once."""
+        table = endpoints_of(actor_cls)
+        if name in self._mesh.actors:
+            raise MeshError(f"proc mesh {self.name!r} already has actors named {name!r}; pick another name")
+        msg = SpawnActor(name, codec.dumps(actor_cls), codec.dumps((args, kwargs)), self._shape)
+        ctl = controller()
+        if not self._mesh.live:
+            raise ctl.mesh(self._mesh.id).failure or MeshError(f"proc mesh {self.name!r} is stopped")
+        self._mesh.actors.add(name)
+        ctl._fan_out(self._mesh, self._shape, codec.encode_frame([msg]))
+        return ActorMesh(self._mesh.id, name, actor_cls.__name__, frozenset(table), self._shape)
+
+    def stop(self) -> None:
+        """Stop every worker of the job (idempotent)."""
+        controller().stop(self._mesh)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers of this view, in row-major order."""
+        return [self._mesh.pids[r] for r in self._shape.ranks()]
+
+    def __enter__(self) -> ProcMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._mesh.failure else "stopped" if self._mesh.stopping else "running"
+        return f"<ProcMesh {self.name!r} {self.extent} {state}>"

@@ -1,0 +1,237 @@
+"""Named-dim mesh shapes: the rank <-> coordinates arithmetic behind every mesh.
+
+A `Shape` is a strided view (offset, sizes, strides) over a linear rank space with a label per dim, as
+Monarch's ndslice. Slicing, flattening, renaming and splitting are pure arithmetic on it; `MeshView`
+gives ProcMesh, ActorMesh and ValueMesh the same named-dim methods. No I/O, no dependencies.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from monarch.errors import MeshError
+
+
+@dataclass(frozen=True)
+class Extent(Mapping[str, int]):
+    """Dim names and sizes, in order. A read-only mapping label -> size."""
+    labels: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def __getitem__(self, label: str) -> int:
+        try:
+            return self.sizes[self.labels.index(label)]
+        except ValueError:
+            raise KeyError(label) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.labels)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def nelements(self) -> int:
+        return math.prod(self.sizes)
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"'{k}': {v}" for k, v in zip(self.labels, self.sizes, strict=True)) + "}"
+
+
+@dataclass(frozen=True)
+class Point(Mapping[str, int]):
+    """One position in an extent: a mapping dim -> index, with `.rank` its row-major index."""
+    coords: tuple[int, ...]
+    extent: Extent
+
+    def __getitem__(self, label: str) -> int:
+        try:
+            return self.coords[self.extent.labels.index(label)]
+        except ValueError:
+            raise KeyError(label) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.extent.labels)
+
+    def __len__(self) -> int:
+        return len(self.coords)
+
+    @property
+    def rank(self) -> int:
+        r = 0
+        for c, n in zip(self.coords, self.extent.sizes, strict=True):
+            r = r * n + c
+        return r
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"'{k}': {v}" for k, v in zip(self.extent.labels, self.coords, strict=True)) + "}"
+
+    def label(self) -> str:
+        """`dp=1,tp=0`: how logs and errors name this point."""
+        return ",".join(f"{k}={v}" for k, v in zip(self.extent.labels, self.coords, strict=True))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A labelled strided view of ranks: rank(coords) = offset + sum(coords[i] * strides[i])."""
+    labels: tuple[str, ...]
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        assert len(self.labels) == len(self.sizes) == len(self.strides), (self.labels, self.sizes, self.strides)
+        if len(set(self.labels)) != len(self.labels):
+            raise MeshError(f"mesh dim names must be unique, got {self.labels}")
+        if any(n < 1 for n in self.sizes):
+            raise MeshError(f"mesh dims must have size >= 1, got {dict(zip(self.labels, self.sizes, strict=True))}")
+
+    @staticmethod
+    def row_major(labels: tuple[str, ...], sizes: tuple[int, ...], offset: int = 0) -> Shape:
+        strides, acc = [], 1
+        for n in reversed(sizes):
+            strides.append(acc)
+            acc *= n
+        return Shape(tuple(labels), tuple(sizes), tuple(reversed(strides)), offset)
+
+    @property
+    def extent(self) -> Extent:
+        return Extent(self.labels, self.sizes)
+
+    def __len__(self) -> int:
+        return math.prod(self.sizes)
+
+    def dim(self, label: str) -> int:
+        """Index of a dim by name, or a MeshError naming the dims that exist."""
+        try:
+            return self.labels.index(label)
+        except ValueError:
+            raise MeshError(f"mesh has no dim {label!r}; its dims are {self.labels}") from None
+
+    def point(self, index: int) -> Point:
+        """The point at row-major position `index` of this view."""
+        coords = []
+        for n in reversed(self.sizes):
+            index, c = divmod(index, n)
+            coords.append(c)
+        return Point(tuple(reversed(coords)), self.extent)
+
+    def rank_at(self, coords: tuple[int, ...]) -> int:
+        return self.offset + sum(c * s for c, s in zip(coords, self.strides, strict=True))
+
+    def ranks(self) -> list[int]:
+        """Global ranks of this view in row-major order."""
+        out = [self.offset]
+        for n, s in zip(self.sizes, self.strides, strict=True):
+            out = [r + i * s for r in out for i in range(n)]
+        return out
+
+    def slice(self, **dims: int | slice) -> Shape:
+        """An int drops the dim (selects one index); a `slice` keeps it."""
+        labels, sizes, strides, offset = list(self.labels), list(self.sizes), list(self.strides), self.offset
+        for label, sel in dims.items():
+            i = labels.index(label) if label in labels else self.dim(label)
+            if isinstance(sel, slice):
+                r = range(*sel.indices(sizes[i]))
+                if len(r) == 0:
+                    raise MeshError(f"slice {label}={sel} of size {sizes[i]} selects nothing")
+                offset += r.start * strides[i]
+                sizes[i], strides[i] = len(r), strides[i] * r.step
+            elif isinstance(sel, int) and not isinstance(sel, bool):
+                if not -sizes[i] <= sel < sizes[i]:
+                    raise MeshError(f"index {label}={sel} is out of range for size {sizes[i]}")
+                offset += (sel % sizes[i]) * strides[i]
+                del labels[i], sizes[i], strides[i]
+            else:
+                raise MeshError(f"slice {label}= takes an int or a slice, got {sel!r}")
+        return Shape(tuple(labels), tuple(sizes), tuple(strides), offset)
+
+    def flatten(self, name: str) -> Shape:
+        """Merge all dims into one named `name`; needs the view to be evenly strided."""
+        kept = [(n, s) for n, s in zip(self.sizes, self.strides, strict=True) if n > 1]
+        for (_, s0), (n1, s1) in zip(kept, kept[1:]):
+            if s0 != s1 * n1:
+                raise MeshError(f"cannot flatten {self.extent} (strides {self.strides}): the ranks are not "
+                                "evenly spaced; flatten the parent mesh first, then slice")
+        stride = kept[-1][1] if kept else 1
+        return Shape((name,), (len(self),), (stride,), self.offset)
+
+    def rename(self, **names: str) -> Shape:
+        for old in names:
+            self.dim(old)
+        return Shape(tuple(names.get(lb, lb) for lb in self.labels), self.sizes, self.strides, self.offset)
+
+    def split(self, **spec: Any) -> Shape:
+        """`split(host=("dp", "pp"), pp=2)`: replace dim `host` by dims dp, pp (one size may be inferred)."""
+        groups = {k: tuple(v) for k, v in spec.items() if isinstance(v, (tuple, list))}
+        sizes_given = {k: v for k, v in spec.items() if k not in groups}
+        new_names = {n for names in groups.values() for n in names}
+        if unknown := set(sizes_given) - new_names:
+            raise MeshError(f"split got sizes for {sorted(unknown)}, which no split dim produces")
+        labels, sizes, strides = [], [], []
+        for label, n, s in zip(self.labels, self.sizes, self.strides, strict=True):
+            if label not in groups:
+                labels.append(label), sizes.append(n), strides.append(s)
+                continue
+            parts = _split_sizes(label, n, groups[label], sizes_given)
+            acc = s
+            part_strides = []
+            for p in reversed(parts):
+                part_strides.append(acc)
+                acc *= p
+            labels += groups[label]
+            sizes += parts
+            strides += reversed(part_strides)
+        for k in groups:
+            self.dim(k)
+        return Shape(tuple(labels), tuple(sizes), tuple(strides), self.offset)
+
+
+def _split_sizes(label: str, n: int, names: tuple[str, ...], given: dict[str, Any]) -> list[int]:
+    missing = [x for x in names if x not in given]
+    known = math.prod(int(given[x]) for x in names if x in given)
+    if len(missing) > 1:
+        raise MeshError(f"split of {label!r} into {names}: give the sizes of all but one of {missing}")
+    if (missing and (known == 0 or n % known)) or (not missing and known != n):
+        raise MeshError(f"split of {label!r} (size {n}) into {names} with sizes "
+                        f"{ {x: given[x] for x in names if x in given} } does not divide evenly")
+    return [int(given[x]) if x in given else n // known for x in names]
+
+
+V = TypeVar("V", bound="MeshView")
+
+
+class MeshView:
+    """Named-dim methods shared by every mesh; subclasses define `_shape` and `_with_shape`."""
+    _shape: Shape
+
+    def _with_shape(self: V, shape: Shape) -> V:
+        raise AssertionError(f"{type(self).__name__} must define _with_shape")
+
+    @property
+    def extent(self) -> Extent:
+        return self._shape.extent
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(self._shape.sizes)
+
+    def size(self, dim: str | None = None) -> int:
+        return len(self._shape) if dim is None else self._shape.sizes[self._shape.dim(dim)]
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def slice(self: V, **dims: int | slice) -> V:
+        return self._with_shape(self._shape.slice(**dims))
+
+    def flatten(self: V, name: str) -> V:
+        return self._with_shape(self._shape.flatten(name))
+
+    def rename(self: V, **names: str) -> V:
+        return self._with_shape(self._shape.rename(**names))
+
+    def split(self: V, **spec: Any) -> V:
+        return self._with_shape(self._shape.split(**spec))

@@ -1,0 +1,150 @@
+"""The worker process: decode control frames and dispatch them through `HANDLERS` to hosted actors.
+
+Started as `python -m monarch.runtime.worker` by mpiexec (see bootstrap.py). One thread: it receives a
+chunk, runs every message in it in order, then sends all replies in one frame. A call an actor makes
+on another mesh is forwarded through the controller; waiting for it pumps the same socket.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import select
+import socket
+import sys
+from collections import deque
+from typing import Any, Callable
+
+from monarch import config
+from monarch.errors import TransportError
+from monarch.runtime import codec
+from monarch.runtime.commands import Call, Forward, Reply, SpawnActor, Stop, Supervise
+from monarch.runtime.context import set_client
+from monarch.runtime.futures import CallState
+from monarch.runtime.hosting import HostedActor
+from monarch.runtime.shape import Shape
+
+
+class Worker:
+    """The control-plane endpoint and actor host of one rank; also the client its actors send with."""
+    threaded = False
+
+    def __init__(self, sock: socket.socket, rank: int) -> None:
+        self.sock = sock
+        self.rank = rank
+        self._reader = codec.FrameReader(config.max_frame())
+        self._inbox: deque[Any] = deque()
+        self._outbox: list[Any] = []
+        self._actors: dict[str, HostedActor] = {}
+        self._pending: dict[int, CallState] = {}
+        self._ids = itertools.count(1)
+        self._stopped = False
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            SpawnActor: self._spawn, Call: self._call, Reply: self._reply, Stop: self._stop, Supervise: self._supervise,
+        }
+
+    def serve(self) -> None:
+        """Run until told to stop or until the controller goes away."""
+        while not self._stopped:
+            while self._inbox and not self._stopped:
+                msg = self._inbox.popleft()
+                self._handlers[type(msg)](msg)
+            self.flush()
+            if not self._stopped:
+                self._pump(None)
+
+    def _pump(self, timeout: float | None) -> None:
+        if timeout is not None and not select.select([self.sock], [], [], max(timeout, 0))[0]:
+            return
+        data = self.sock.recv(1 << 20)
+        if not data:
+            self._lost(TransportError(f"rank {self.rank}: the controller closed the control connection"))
+            return
+        for body in self._reader.feed(data):
+            try:
+                msgs = codec.decode_frame(body)
+            except Exception as e:  # noqa: BLE001 - drop one bad frame, keep serving
+                print(f"monarch worker: dropped an undecodable frame: {e!r}", file=sys.stderr)
+                continue
+            for msg in msgs:
+                if type(msg) is Reply:
+                    self._reply(msg)
+                elif type(msg) in self._handlers:
+                    self._inbox.append(msg)
+                else:
+                    print(f"monarch worker: dropped unknown message {type(msg).__name__}", file=sys.stderr)
+
+    def _lost(self, err: Exception) -> None:
+        self._stopped = True
+        for state in self._pending.values():
+            state.fail_missing(err)
+        self._pending.clear()
+
+    def flush(self) -> None:
+        if self._outbox:
+            frame, self._outbox = codec.encode_frame(self._outbox), []
+            self.sock.sendall(frame)
+
+    # -- handlers --------------------------------------------------------------------------------
+    def _spawn(self, msg: SpawnActor) -> None:
+        self._actors[msg.name] = HostedActor(msg, self.rank)
+
+    def _call(self, msg: Call) -> None:
+        actor = self._actors.get(msg.actor)
+        if actor is None:
+            ok, value = False, codec.dumps(TransportError(f"rank {self.rank} hosts no actor {msg.actor!r}"))
+        else:
+            ok, value = actor.run(msg.endpoint, msg.args)
+        if msg.want_reply:
+            self._outbox.append(Reply(msg.call_id, msg.reply_to, self.rank, ok, value))
+        elif not ok:
+            print(f"monarch: broadcast failed:\n{codec.loads(value)}", file=sys.stderr)
+
+    def _reply(self, msg: Reply) -> None:
+        state = self._pending.get(msg.call_id)
+        if state is not None:
+            state.deliver(msg.rank, msg.ok, msg.value)
+            if state.done:
+                del self._pending[msg.call_id]
+
+    def _stop(self, msg: Stop) -> None:
+        self._stopped = True
+
+    def _supervise(self, msg: Supervise) -> None:
+        for actor in self._actors.values():
+            actor.supervise(msg.failure)
+
+    # -- client protocol: calls that actors make on other meshes ---------------------------------
+    def next_call_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None:
+        if state is not None:
+            self._pending[call.call_id] = state
+        self._outbox.append(Forward(mesh_id, shape, call))
+        if state is None:
+            return
+        if self._stopped:
+            self._lost(TransportError(f"rank {self.rank}: the control connection is closed"))
+
+    def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
+        self.flush()
+        while len(state.arrived) < arrived and not self._stopped:
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                return
+            self._pump(timeout)
+
+
+def main(argv: list[str]) -> int:
+    from monarch.runtime import bootstrap
+    boot = bootstrap.start(argv)
+    worker = Worker(boot.sock, boot.rank)
+    set_client(worker)
+    worker.serve()
+    worker.flush()
+    boot.sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""Sharded mesh tensors (MeshTensor, placements). Imports torch and monarch.{errors,config} only."""
