@@ -27,6 +27,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_SPAWN_TIMEOUT", "60", "seconds to wait for every worker to connect back"),
     Flag("MONARCH_MAX_FRAME", str(1 << 30), "largest control-plane frame in bytes"),
     Flag("MONARCH_DEATH_GRACE", "0.3", "seconds to wait for a dead worker's exit status before failing"),
+    Flag("MONARCH_SPIN_US", "50", "microseconds to busy-poll for the next message before sleeping (0: never)"),
     Flag("MONARCH_TRANSPORT", "mpi", "data plane between workers: mpi, verbs or shm"),
     Flag("MONARCH_STRICT", "0", "1 turns the replicated fallback for ops without a rule into an error"),
 ]}
@@ -66,6 +67,10 @@ def max_frame() -> int:
 
 def death_grace() -> float:
     return float(_get("MONARCH_DEATH_GRACE", float))  # type: ignore[arg-type]
+
+
+def spin_seconds() -> float:
+    return float(_get("MONARCH_SPIN_US", float)) * 1e-6  # type: ignore[arg-type]
 
 
 def transport() -> str:

@@ -22,6 +22,7 @@ _HEADER = struct.Struct(f"!4sIBI{TOKEN_BYTES}s")
 HEADER_SIZE = _HEADER.size
 _LEN = struct.Struct("!I")
 ROLE_WORKER, ROLE_MONITOR = 0, 1
+RECV_BYTES = 65536  # per recv call; larger buffers cost an mmap per call
 _PLAIN = (int, float, str, bytes, bool, type(None))
 
 

@@ -15,14 +15,14 @@ from monarch.runtime.shape import Shape
 CONTROLLER = 0  # the `reply_to` address of the controller itself; workers get addresses >= 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Hello:
     """First frame of a worker after the handshake."""
     pid: int
     host: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class SpawnActor:
     """Construct actor `name` from a pickled class and arguments; `shape` is the actor mesh's view."""
     name: str
@@ -31,7 +31,7 @@ class SpawnActor:
     shape: Shape
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Call:
     """Run `endpoint` of actor `actor`; the reply goes to address `reply_to` under `call_id`."""
     call_id: int
@@ -42,7 +42,7 @@ class Call:
     want_reply: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Reply:
     """The outcome of one Call on one rank: a pickled value, or a pickled exception when not ok."""
     call_id: int
@@ -52,7 +52,7 @@ class Reply:
     value: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Forward:
     """A call that an actor makes on another actor mesh, routed by the controller."""
     mesh_id: int
@@ -60,12 +60,12 @@ class Forward:
     call: Call
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Stop:
     """Finish the queued work, close the connection and exit cleanly."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class MeshFailure:
     """A worker process of a mesh died: what `__supervise__` receives and SupervisionError reports."""
     mesh: str
@@ -79,13 +79,13 @@ class MeshFailure:
         return f"mesh {self.mesh!r}: worker {where}, pid {self.pid}, {self.status}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Supervise:
     """Tell a worker's actors that define `__supervise__` about a failure elsewhere."""
     failure: MeshFailure
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ProcExit:
     """Sent by a rank's monitor when its worker exits abnormally (os.wait status)."""
     rank: int

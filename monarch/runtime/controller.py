@@ -10,7 +10,6 @@ import atexit
 import itertools
 import logging
 import secrets
-import select
 import socket
 import subprocess
 import sys
@@ -26,9 +25,11 @@ from monarch.runtime import codec, launch
 from monarch.runtime.commands import (CONTROLLER, Call, Forward, Hello, MeshFailure, ProcExit, Reply, Stop,
                                       Supervise, describe_status)
 from monarch.runtime.futures import CallState
+from monarch.runtime.poller import Poller
 from monarch.runtime.shape import Shape
 
 log = logging.getLogger("monarch.controller")
+HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its header
 
 
 class Conn:
@@ -108,12 +109,10 @@ class Controller:
         self._ids = itertools.count(1)
         self._addrs = itertools.count(CONTROLLER + 1)
         self._mesh_ids = itertools.count(1)
+        self._handshaking: set[Conn] = set()
         self.meshes: dict[int, Mesh] = {}
-        self._fds: dict[int, Any] = {}
-        self._poll = select.epoll()
-        self._watch(self._listener.fileno(), self._accept)
-        self._thread = threading.Thread(target=self._loop, name="monarch-controller", daemon=True)
-        self._thread.start()
+        self._poller = Poller(self._expire)
+        self._poller.watch(self._listener.fileno(), self._accept)
         atexit.register(self.shutdown)
 
     # -- client protocol -------------------------------------------------------------------------
@@ -133,12 +132,7 @@ class Controller:
         self._fan_out(mesh, shape, codec.encode_frame([call]))
 
     def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
-        with state.cond:
-            while len(state.arrived) < arrived:
-                timeout = None if deadline is None else deadline - time.monotonic()
-                if timeout is not None and timeout <= 0:
-                    return
-                state.cond.wait(timeout)
+        self._poller.drive(lambda: len(state.arrived) >= arrived, deadline)
 
     def mesh(self, mesh_id: int) -> Mesh:
         try:
@@ -167,10 +161,12 @@ class Controller:
             del self.meshes[mesh.id]
             raise
         assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
-        self._watch(mesh.proc.stdout.fileno(), lambda: self._output(mesh, mesh.proc.stdout, sys.stdout))
-        self._watch(mesh.proc.stderr.fileno(), lambda: self._output(mesh, mesh.proc.stderr, sys.stderr))
+        out, err = mesh.proc.stdout, mesh.proc.stderr
+        self._poller.watch(out.fileno(), lambda: self._output(mesh, out, sys.stdout))
+        self._poller.watch(err.fileno(), lambda: self._output(mesh, err, sys.stderr))
         timeout = config.spawn_timeout()
-        if not mesh.settled.wait(timeout) or mesh.failure is not None:
+        self._poller.drive(mesh.settled.is_set, time.monotonic() + timeout)
+        if not mesh.settled.is_set() or mesh.failure is not None:
             why = mesh.failure or f"not every worker connected within {timeout} s (MONARCH_SPAWN_TIMEOUT)"
             self.stop(mesh, grace=0.5)
             tail = "\n".join(mesh.stderr_tail) or "(nothing)"
@@ -199,40 +195,23 @@ class Controller:
         for mesh in list(self.meshes.values()):
             self.stop(mesh, grace=2.0)
 
-    # -- the polling thread ----------------------------------------------------------------------
-    def _watch(self, fd: int, handler: Any) -> None:
-        self._fds[fd] = handler
-        self._poll.register(fd, select.EPOLLIN)
-
-    def _unwatch(self, fd: int) -> None:
-        if self._fds.pop(fd, None) is not None:
-            self._poll.unregister(fd)
-
-    def _loop(self) -> None:
-        while True:
-            for fd, _ in self._poll.poll(self._next_timeout()):
-                handler = self._fds.get(fd)
-                if handler is not None:
-                    try:
-                        handler()
-                    except Exception:  # noqa: BLE001 - the control plane must survive any one peer
-                        log.exception("monarch controller: error while handling fd %d", fd)
-            self._expire()
-
-    def _next_timeout(self) -> float:
-        deadlines = [d for m in list(self.meshes.values()) for d in m.lost.values()]
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else 1.0
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for r in [h for h in list(self._fds.values()) if isinstance(h, _ConnReader) and h.conn.header is None]:
-            if now - r.conn.opened > 5.0:
-                log.warning("monarch controller: dropped a connection that sent no handshake in 5 s")
-                self._close(r.conn)
+    # -- timers and connections (run by whichever thread polls) ---------------------------------
+    def _expire(self) -> float:
+        """Fire due timers; seconds until the next one."""
+        now, nxt = time.monotonic(), 1.0
+        if self._handshaking:
+            for conn in list(self._handshaking):
+                if now - conn.opened > HANDSHAKE_TIMEOUT:
+                    log.warning("monarch controller: dropped a connection that sent no handshake in time")
+                    self._close(conn)
+            nxt = 0.5
         for mesh in list(self.meshes.values()):
             for rank, deadline in list(mesh.lost.items()):
                 if now >= deadline:
                     self._fail(mesh, rank, mesh.pids[rank], "lost its control connection (exit status unknown)")
+                else:
+                    nxt = min(nxt, deadline - now)
+        return nxt
 
     def _accept(self) -> None:
         try:
@@ -242,17 +221,19 @@ class Controller:
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = Conn(sock, next(self._addrs))
-        self._watch(sock.fileno(), _ConnReader(self, conn))
+        self._handshaking.add(conn)
+        self._poller.watch(sock.fileno(), _ConnReader(self, conn))
 
     def _close(self, conn: Conn) -> None:
+        self._handshaking.discard(conn)
         if conn.sock.fileno() >= 0:
-            self._unwatch(conn.sock.fileno())
+            self._poller.unwatch(conn.sock.fileno())
             conn.sock.close()
 
     def _output(self, mesh: Mesh, pipe: Any, stream: Any) -> None:
         data = pipe.read1(65536)
         if not data:
-            self._unwatch(pipe.fileno())
+            self._poller.unwatch(pipe.fileno())
             if stream is sys.stderr:
                 self._job_exited(mesh)
             return
@@ -283,6 +264,7 @@ class Controller:
                 return False
             mesh.conns[header.rank] = conn
         conn.header, conn.mesh = header, mesh
+        self._handshaking.discard(conn)
         return True
 
     def _handle(self, conn: Conn, msg: Any) -> None:
@@ -360,7 +342,7 @@ class _ConnReader:
     def __call__(self) -> None:
         conn = self.conn
         try:
-            data = conn.sock.recv(1 << 20)
+            data = conn.sock.recv(codec.RECV_BYTES)
         except OSError:
             data = b""
         if not data:

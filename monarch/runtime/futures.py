@@ -35,7 +35,7 @@ class CallState:
         self.index = {r: i for i, r in enumerate(ranks)}
         self.raw: list[tuple[bool, Any] | None] = [None] * len(ranks)
         self.arrived: list[int] = []
-        self.cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
 
     @property
@@ -45,12 +45,11 @@ class CallState:
     def deliver(self, rank: int, ok: bool, payload: Any) -> None:
         """Record rank's outcome: pickled bytes, or an exception object (supervision)."""
         i = self.index[rank]
-        with self.cond:
+        with self._lock:
             if self.raw[i] is not None:
                 return
             self.raw[i] = (ok, payload)
             self.arrived.append(i)
-            self.cond.notify_all()
             callbacks = self._callbacks if self.done else []
         for cb in callbacks:
             cb()
@@ -61,7 +60,7 @@ class CallState:
                 self.deliver(r, False, exc)
 
     def on_done(self, cb: Callable[[], None]) -> None:
-        with self.cond:
+        with self._lock:
             if not self.done:
                 self._callbacks.append(cb)
                 return

@@ -38,6 +38,7 @@ class Worker:
         self._pending: dict[int, CallState] = {}
         self._ids = itertools.count(1)
         self._stopped = False
+        self._spin = config.spin_seconds()
         self._handlers: dict[type, Callable[[Any], None]] = {
             SpawnActor: self._spawn, Call: self._call, Reply: self._reply, Stop: self._stop, Supervise: self._supervise,
         }
@@ -52,10 +53,23 @@ class Worker:
             if not self._stopped:
                 self._pump(None)
 
-    def _pump(self, timeout: float | None) -> None:
+    def _recv(self, timeout: float | None) -> bytes | None:
+        """Busy-poll briefly (the next message usually follows at once), then block up to `timeout`."""
+        until = time.perf_counter() + self._spin
+        while True:
+            try:
+                return self.sock.recv(codec.RECV_BYTES, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() >= until:
+                    break
         if timeout is not None and not select.select([self.sock], [], [], max(timeout, 0))[0]:
+            return None
+        return self.sock.recv(codec.RECV_BYTES)
+
+    def _pump(self, timeout: float | None) -> None:
+        data = self._recv(timeout)
+        if data is None:
             return
-        data = self.sock.recv(1 << 20)
         if not data:
             self._lost(TransportError(f"rank {self.rank}: the controller closed the control connection"))
             return

@@ -1,0 +1,111 @@
+"""Event polling for the controller, driven by whichever thread needs it (leader/follower).
+
+A background thread polls while nobody waits, so worker output and failures are handled promptly.
+A user thread that waits for a reply takes the poller over and handles events itself: the reply is
+read by the thread that needs it, with no hand-off between threads on the hot path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+
+from monarch import config
+
+log = logging.getLogger("monarch.controller")
+_STEP_ASIDE = 0.005  # seconds the background thread stays off after a user thread took over
+
+
+class Poller:
+    """An epoll set with handlers per fd and a periodic `tick`, polled by one thread at a time."""
+
+    def __init__(self, tick: Callable[[], float]) -> None:
+        self._tick = tick  # runs after every poll; returns seconds until it needs to run again
+        self._ep = select.epoll()
+        self._handlers: dict[int, Callable[[], None]] = {}
+        self._io = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._waiters = 0
+        self._bg_polling = False
+        self._spin = config.spin_seconds()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK)
+        self.watch(self._wake, lambda: _drain(self._wake))
+        self._thread = threading.Thread(target=self._background, name="monarch-poller", daemon=True)
+        self._thread.start()
+
+    def watch(self, fd: int, handler: Callable[[], None]) -> None:
+        self._handlers[fd] = handler
+        self._ep.register(fd, select.EPOLLIN)
+
+    def unwatch(self, fd: int) -> None:
+        if self._handlers.pop(fd, None) is not None:
+            self._ep.unregister(fd)
+
+    def handlers(self) -> list[Callable[[], None]]:
+        return list(self._handlers.values())
+
+    def _poll_once(self, limit: float | None, spin: float = 0.0) -> None:
+        timeout = self._tick()
+        if limit is not None:
+            timeout = min(timeout, max(limit, 0.0))
+        events = self._ep.poll(0)
+        if spin and not events:  # a reply usually comes within microseconds: don't let the CPU idle
+            until = time.perf_counter() + spin
+            while not events and time.perf_counter() < until:
+                events = self._ep.poll(0)
+        for fd, _ in events or self._ep.poll(timeout):
+            handler = self._handlers.get(fd)
+            if handler is None:
+                continue
+            try:
+                handler()
+            except Exception:  # noqa: BLE001 - the control plane must survive any one peer
+                log.exception("monarch controller: error while handling fd %d", fd)
+
+    def _background(self) -> None:
+        while True:
+            if self._waiters or not self._io.acquire(blocking=False):
+                time.sleep(_STEP_ASIDE)
+                continue
+            try:
+                self._bg_polling = True
+                while not self._waiters:
+                    self._poll_once(None)
+            finally:
+                self._bg_polling = False
+                self._io.release()
+
+    def drive(self, done: Callable[[], bool], deadline: float | None) -> None:
+        """Poll in the calling thread until `done()` or the deadline passes."""
+        with self._count_lock:
+            self._waiters += 1
+        try:
+            if self._bg_polling:
+                os.eventfd_write(self._wake, 1)
+            while not done():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return
+                if not self._io.acquire(timeout=0.001):
+                    continue  # another thread is polling; our reply may arrive through it
+                try:
+                    while not done():
+                        remaining = None if deadline is None else deadline - time.monotonic()
+                        if remaining is not None and remaining <= 0:
+                            return
+                        self._poll_once(remaining, self._spin)
+                finally:
+                    self._io.release()
+        finally:
+            with self._count_lock:
+                self._waiters -= 1
+
+
+def _drain(fd: int) -> None:
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        pass
