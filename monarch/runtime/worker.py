@@ -2,7 +2,8 @@
 
 Started as `python -m monarch.runtime.worker` by mpiexec (see bootstrap.py). One thread: it receives a
 chunk, runs every message in it in order, then sends all replies in one frame. A call an actor makes
-on another mesh is forwarded through the controller; waiting for it pumps the same socket.
+on another mesh is forwarded through the controller; while it waits, the worker keeps running the
+messages of its other, idle actors (each actor still sees its own messages in order).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Worker:
         self._pending: dict[int, CallState] = {}
         self._ids = itertools.count(1)
         self._stopped = False
+        self._busy: set[str] = set()
         self._spin = config.spin_seconds()
         self._handlers: dict[type, Callable[[Any], None]] = {
             SpawnActor: self._spawn, Call: self._call, Reply: self._reply, Stop: self._stop, Supervise: self._supervise,
@@ -46,12 +48,21 @@ class Worker:
     def serve(self) -> None:
         """Run until told to stop or until the controller goes away."""
         while not self._stopped:
-            while self._inbox and not self._stopped:
-                msg = self._inbox.popleft()
-                self._handlers[type(msg)](msg)
+            self._run_inbox()
             self.flush()
             if not self._stopped:
                 self._pump(None)
+
+    def _run_inbox(self) -> None:
+        """Run queued messages in order, skipping (and keeping) those for actors that are mid-call."""
+        skipped = []
+        while self._inbox and not self._stopped:
+            msg = self._inbox.popleft()
+            if self._busy and not (type(msg) is SpawnActor or (type(msg) is Call and msg.actor not in self._busy)):
+                skipped.append(msg)
+                continue
+            self._handlers[type(msg)](msg)
+        self._inbox.extendleft(reversed(skipped))
 
     def _recv(self, timeout: float | None) -> bytes | None:
         """Busy-poll briefly (the next message usually follows at once), then block up to `timeout`."""
@@ -107,7 +118,11 @@ class Worker:
         if actor is None:
             ok, value = False, codec.dumps(TransportError(f"rank {self.rank} hosts no actor {msg.actor!r}"))
         else:
-            ok, value = actor.run(msg.endpoint, msg.args)
+            self._busy.add(msg.actor)
+            try:
+                ok, value = actor.run(msg.endpoint, msg.args)
+            finally:
+                self._busy.discard(msg.actor)
         if msg.want_reply:
             self._outbox.append(Reply(msg.call_id, msg.reply_to, self.rank, ok, value))
         elif not ok:
@@ -141,8 +156,11 @@ class Worker:
             self._lost(TransportError(f"rank {self.rank}: the control connection is closed"))
 
     def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
-        self.flush()
         while len(state.arrived) < arrived and not self._stopped:
+            self._run_inbox()
+            self.flush()
+            if len(state.arrived) >= arrived:
+                return
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
                 return

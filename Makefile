@@ -1,0 +1,26 @@
+# make demo: create .venv, install monarch, run the main example on a local 4-process mesh.
+# make test: create/update .venv, run the whole test suite.
+VENV   ?= .venv
+PYTHON ?= python3
+PY     := $(VENV)/bin/python
+# the venv's MPICH mpiexec must come before any system-wide mpiexec of another MPI
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/actors.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .hypothesis
