@@ -45,12 +45,14 @@ def command(mpiexec: str, shape: Shape, hosts: list[str], control: str, mesh_id:
 
 
 def worker_env(token: bytes, extra: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment plus `extra`; workers import from the same paths as the controller."""
     env = dict(os.environ)
     env.update(extra or {})
     env[TOKEN_ENV] = token.hex()
     env["PYTHONUNBUFFERED"] = "1"
-    path = [p for p in ((extra or {}).get("PYTHONPATH", ""), _PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")) if p]
-    env["PYTHONPATH"] = os.pathsep.join(path)
+    ours = [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
+    path = [(extra or {}).get("PYTHONPATH", ""), _PACKAGE_ROOT, *ours, os.environ.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in path if p))
     return env
 
 

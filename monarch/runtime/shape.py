@@ -14,11 +14,14 @@ from typing import Any, TypeVar
 from monarch.errors import MeshError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Extent(Mapping[str, int]):
-    """Dim names and sizes, in order. A read-only mapping label -> size."""
+    """Dim names and sizes, in order. A read-only mapping label -> size (equal to the same dict)."""
     labels: tuple[str, ...]
     sizes: tuple[int, ...]
+
+    def __hash__(self) -> int:
+        return hash((self.labels, self.sizes))
 
     def __getitem__(self, label: str) -> int:
         try:
@@ -40,11 +43,14 @@ class Extent(Mapping[str, int]):
         return "{" + ", ".join(f"'{k}': {v}" for k, v in zip(self.labels, self.sizes, strict=True)) + "}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Point(Mapping[str, int]):
     """One position in an extent: a mapping dim -> index, with `.rank` its row-major index."""
     coords: tuple[int, ...]
     extent: Extent
+
+    def __hash__(self) -> int:
+        return hash((self.coords, self.extent))
 
     def __getitem__(self, label: str) -> int:
         try:

@@ -1,0 +1,76 @@
+"""Shared fixtures: a module-wide 2x2 proc mesh and the check that no test leaves a process behind.
+
+Worker processes carry `--owner <controller pid>` on their command line; after every test, any such
+process (mpiexec, monitor or worker) that does not belong to a mesh still open in the controller fails it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from monarch.actor import ProcMesh, this_host
+from monarch.runtime.controller import controller
+
+
+def owned_processes(owner: int) -> dict[int, str]:
+    """pid -> command line of live processes started for controller `owner`."""
+    mark = f"--owner\0{owner}\0"
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if mark in cmd and state != "Z":
+            found[int(d.name)] = cmd.replace("\0", " ")
+    return found
+
+
+def _open_mesh_pids() -> set[int]:
+    """Processes of meshes still open: mpiexec, workers and their monitors (the workers' parents)."""
+    pids: set[int] = set()
+    for mesh in list(controller().meshes.values()) if _controller_started() else []:
+        if mesh.proc is not None:
+            pids.add(mesh.proc.pid)
+        for pid in mesh.pids:
+            pids.add(pid)
+            try:
+                pids.add(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]))
+            except (OSError, ValueError, IndexError):
+                pass
+    return pids
+
+
+def _controller_started() -> bool:
+    from monarch.runtime import controller as ctl
+    return ctl._controller is not None
+
+
+def leftovers(owner: int, allowed: set[int], timeout: float = 10.0) -> dict[int, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {p: c for p, c in owned_processes(owner).items() if p not in allowed}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def no_orphans() -> Iterator[None]:
+    yield
+    left = leftovers(os.getpid(), _open_mesh_pids())
+    assert not left, f"processes left behind by this test: {left}"
+
+
+@pytest.fixture(scope="module")
+def procs() -> Iterator[ProcMesh]:
+    """A 4-process dp=2 x tp=2 mesh shared by the tests of one module."""
+    with this_host().spawn_procs(per_host={"dp": 2, "tp": 2}) as p:
+        yield p
