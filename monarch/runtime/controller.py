@@ -110,6 +110,7 @@ class Controller:
         self._addrs = itertools.count(CONTROLLER + 1)
         self._mesh_ids = itertools.count(1)
         self._handshaking: set[Conn] = set()
+        self._ended: dict[int, SupervisionError] = {}  # mesh id -> why it is gone
         self.meshes: dict[int, Mesh] = {}
         self._poller = Poller(self._expire)
         self._poller.watch(self._listener.fileno(), self._accept)
@@ -138,6 +139,8 @@ class Controller:
         try:
             return self.meshes[mesh_id]
         except KeyError:
+            if mesh_id in self._ended:
+                raise self._ended[mesh_id] from None
             raise MeshError(f"proc mesh {mesh_id} does not exist in this controller (stopped, or from "
                             "another process)") from None
 
@@ -182,7 +185,8 @@ class Controller:
         self._fan_out(mesh, Shape.row_major(("r",), (len(mesh.shape),)), codec.encode_frame([Stop()]))
         if mesh.proc is not None:
             launch.terminate(mesh.proc, grace)
-        err = SupervisionError(f"mesh {mesh.name!r} was stopped")
+        err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} was stopped; spawn a new proc mesh")
+        self._ended[mesh.id] = err
         for sink in list(mesh.pending.values()):
             sink.fail_missing(err)
         mesh.pending.clear()
