@@ -101,3 +101,10 @@ def test_silent_peer_is_dropped_after_the_handshake_timeout(echo, monkeypatch: p
 def test_large_payload_round_trips(echo) -> None:
     blob = bytes(range(256)) * 40_000  # 10 MB: many recv chunks per frame
     assert echo.slice(dp=0, tp=0).echo.call_one(blob).get(timeout=T) == blob
+
+
+def test_host_option_binds_another_address() -> None:
+    from monarch.actor import this_host
+    with this_host().spawn_procs(per_host={"gpus": 1}, host="127.0.0.2") as procs:
+        assert procs.spawn("e", Echo).echo.call_one(5).get(timeout=T) == 5
+        assert controller().listen("127.0.0.2").startswith("127.0.0.2:")

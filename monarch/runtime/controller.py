@@ -103,9 +103,6 @@ class Controller:
     threaded = True
 
     def __init__(self) -> None:
-        self._listener = socket.create_server((config.host(), 0))
-        self._listener.setblocking(False)
-        self.address = "%s:%d" % self._listener.getsockname()[:2]
         self._ids = itertools.count(1)
         self._addrs = itertools.count(CONTROLLER + 1)
         self._mesh_ids = itertools.count(1)
@@ -113,7 +110,8 @@ class Controller:
         self._ended: dict[int, SupervisionError] = {}  # mesh id -> why it is gone
         self.meshes: dict[int, Mesh] = {}
         self._poller = Poller(self._expire)
-        self._poller.watch(self._listener.fileno(), self._accept)
+        self._listeners: dict[str, str] = {}  # bind host -> "host:port"
+        self.address = self.listen(config.host())
         atexit.register(self.shutdown)
 
     # -- client protocol -------------------------------------------------------------------------
@@ -154,9 +152,20 @@ class Controller:
                 self._conn_lost(mesh, r)
 
     # -- spawning and stopping -------------------------------------------------------------------
-    def spawn(self, name: str, shape: Shape, hosts: list[str], env: dict[str, str] | None) -> Mesh:
+    def listen(self, host: str) -> str:
+        """The "host:port" workers connect back to, with a listening socket bound to `host`."""
+        if host not in self._listeners:
+            listener = socket.create_server((host, 0))
+            listener.setblocking(False)
+            self._poller.watch(listener.fileno(), lambda: self._accept(listener))
+            self._listeners[host] = "%s:%d" % listener.getsockname()[:2]
+        return self._listeners[host]
+
+    def spawn(self, name: str, shape: Shape, hosts: list[str], env: dict[str, str] | None,
+              bind: str | None = None) -> Mesh:
         mesh = Mesh(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES))
-        cmd = launch.command(launch.find_mpiexec(), shape, hosts, self.address, mesh.id)
+        address = self.listen(bind) if bind else self.address
+        cmd = launch.command(launch.find_mpiexec(), shape, hosts, address, mesh.id)
         self.meshes[mesh.id] = mesh
         try:
             mesh.proc = launch.start(cmd, launch.worker_env(mesh.token, env))
@@ -217,9 +226,9 @@ class Controller:
                     nxt = min(nxt, deadline - now)
         return nxt
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         try:
-            sock, _ = self._listener.accept()
+            sock, _ = listener.accept()
         except BlockingIOError:
             return
         sock.setblocking(True)

@@ -29,8 +29,13 @@ class HostMesh(MeshView):
         return HostMesh([self._hosts[r] for r in shape.ranks()])
 
     def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str = "procs",
-                    env: dict[str, str] | None = None) -> ProcMesh:
-        """Start one worker per point of `per_host` on every host, as one MPI job."""
+                    env: dict[str, str] | None = None, host: str | None = None) -> ProcMesh:
+        """Start one worker per point of `per_host` on every host, as one MPI job.
+
+        `env` adds environment variables for the workers; `host` is the address the controller's
+        control socket binds to for this mesh (default MONARCH_HOST, loopback); set it to an address
+        the other hosts can reach when the mesh spans hosts.
+        """
         per_host = dict(per_host or {"gpus": 1})
         if "hosts" in per_host:
             raise MeshError("per_host may not name a dim 'hosts'; that dim is the host mesh's own")
@@ -38,7 +43,7 @@ class HostMesh(MeshView):
         if len(self._hosts) > 1:
             labels, sizes = ("hosts", *labels), (len(self._hosts), *sizes)
         shape = Shape.row_major(labels, sizes)
-        mesh = controller().spawn(name, shape, self._hosts, env)
+        mesh = controller().spawn(name, shape, self._hosts, env, host)
         return ProcMesh(mesh, shape)
 
     def __repr__(self) -> str:
