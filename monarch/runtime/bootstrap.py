@@ -74,12 +74,13 @@ def start(argv: list[str]) -> Boot:
     parent = os.getpid()
     child = os.fork()
     if child:
-        os.close(out_w), os.close(err_w)
+        _close(out_w, err_w)
         prefix = f"[{launch.shape.point(launch.rank).label()}] ".encode()
         os._exit(_monitor(launch, child, {out_r: 1, err_r: 2}, prefix))
-    os.close(out_r), os.close(err_r)
-    os.dup2(out_w, 1), os.dup2(err_w, 2)
-    os.close(out_w), os.close(err_w)
+    _close(out_r, err_r)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    _close(out_w, err_w)
     _die_with_parent(parent)
     from mpi4py import MPI  # joins the MPI job: rank and size come from the process manager
     world = MPI.COMM_WORLD
@@ -88,6 +89,11 @@ def start(argv: list[str]) -> Boot:
     sock = launch.connect(timeout=30)
     sock.sendall(launch.header(ROLE_WORKER) + encode_frame([Hello(os.getpid(), socket.gethostname())]))
     return Boot(sock, launch.rank)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _die_with_parent(parent: int) -> None:

@@ -369,6 +369,7 @@ class _ConnReader:
             if not self.ctl._authenticate(conn, codec.Header.decode(conn.head)):
                 self.ctl._close(conn)
                 return
+        assert conn.header is not None
         try:
             bodies = conn.reader.feed(data)
         except TransportError as e:

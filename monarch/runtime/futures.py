@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 from monarch.errors import MeshError
@@ -100,12 +101,16 @@ class Future(Generic[R]):
         if not self._state.done and self._waiter.threaded:
             loop = asyncio.get_running_loop()
             fut = loop.create_future()
-            self._state.on_done(lambda: loop.call_soon_threadsafe(_settle, fut))
+            self._state.on_done(lambda: _settle_soon(loop, fut))
             yield from fut.__await__()
         return self.get()
 
     def __repr__(self) -> str:
         return f"<Future {self._state.what} {'done' if self.done() else 'pending'}>"
+
+
+def _settle_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
+    loop.call_soon_threadsafe(_settle, fut)
 
 
 def _settle(fut: asyncio.Future) -> None:
@@ -160,5 +165,8 @@ def stream_futures(state: CallState, waiter: Waiter) -> Iterator[Future[Any]]:
     for n in range(len(state.raw)):
         while len(state.arrived) <= n:
             waiter.wait(state, None, n + 1)
-        i = state.arrived[n]
-        yield Future(state, waiter, lambda s, i=i: s.value(i))
+        yield Future(state, waiter, partial(_value_at, state.arrived[n]))
+
+
+def _value_at(i: int, state: CallState) -> Any:
+    return state.value(i)

@@ -179,7 +179,9 @@ class Shape:
         labels, sizes, strides = [], [], []
         for label, n, s in zip(self.labels, self.sizes, self.strides, strict=True):
             if label not in groups:
-                labels.append(label), sizes.append(n), strides.append(s)
+                labels.append(label)
+                sizes.append(n)
+                strides.append(s)
                 continue
             parts = _split_sizes(label, n, groups[label], sizes_given)
             acc = s
