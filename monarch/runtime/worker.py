@@ -23,6 +23,7 @@ from monarch.runtime.context import set_client
 from monarch.runtime.futures import CallState
 from monarch.runtime.hosting import HostedActor
 from monarch.runtime.shape import Shape
+from monarch.runtime.spin import AdaptiveSpin
 
 
 class Worker:
@@ -40,7 +41,7 @@ class Worker:
         self._ids = itertools.count(1)
         self._stopped = False
         self._busy: set[str] = set()
-        self._spin = config.spin_seconds()
+        self._spin = AdaptiveSpin(config.spin_seconds())
         self._handlers: dict[type, Callable[[Any], None]] = {
             SpawnActor: self._spawn, Call: self._call, Reply: self._reply, Stop: self._stop, Supervise: self._supervise,
         }
@@ -66,12 +67,16 @@ class Worker:
 
     def _recv(self, timeout: float | None) -> bytes | None:
         """Busy-poll briefly (the next message usually follows at once), then block up to `timeout`."""
-        until = time.perf_counter() + self._spin
-        while True:
+        budget = self._spin.budget()
+        until = time.perf_counter() + budget
+        while budget:
             try:
-                return self.sock.recv(codec.RECV_BYTES, socket.MSG_DONTWAIT)
+                data = self.sock.recv(codec.RECV_BYTES, socket.MSG_DONTWAIT)
+                self._spin.hit()
+                return data
             except BlockingIOError:
                 if time.perf_counter() >= until:
+                    self._spin.miss()
                     break
         if timeout is not None and not select.select([self.sock], [], [], max(timeout, 0))[0]:
             return None
