@@ -13,6 +13,8 @@ Numbers (all round trips timed on the controller with time.perf_counter):
   4 actors against the 1-actor rate.
 - spawn: `spawn_procs(per_host={"gpus": 4})` + `spawn` until the first `call` answers, median of fresh
   meshes (each stopped afterwards, stop not timed), against starting 4 bare Python interpreters at once.
+- kill -9: SIGKILL one worker of a 2-proc mesh while a call is pending; time until the caller's
+  `get()` raises SupervisionError (which names the rank and the signal), against the 1 s target.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from monarch import config
-from monarch.actor import Actor, ActorMesh, Future, ProcMesh, endpoint, this_host
+from monarch.actor import Actor, ActorMesh, Future, ProcMesh, SupervisionError, endpoint, this_host
 
 TIMEOUT = 60.0  # seconds any single wait may take before the benchmark fails
 
@@ -40,6 +42,14 @@ class Echo(Actor):
     @endpoint
     def ping(self, x: bytes) -> bytes:
         return x
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
 
 
 @dataclass(frozen=True)
@@ -200,6 +210,25 @@ def spawn_to_first_call(payload: bytes) -> float:
         procs.stop()
 
 
+def kill_detection() -> float:
+    """Seconds from SIGKILL of a worker in the middle of a call to the SupervisionError on the caller."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="bench-kill")
+    try:
+        echo = procs.spawn("echo", Echo)
+        pid = echo.pid.call().get(timeout=TIMEOUT).values()[1]
+        pending = echo.sleep.call(TIMEOUT)
+        time.sleep(0.1)
+        t0 = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
+        try:
+            pending.get(timeout=TIMEOUT)
+        except SupervisionError:
+            return time.perf_counter() - t0
+        raise AssertionError("a call on a killed worker returned normally")
+    finally:
+        procs.stop()
+
+
 def bare_interpreters(n: int) -> float:
     t0 = time.perf_counter()
     children = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(n)]
@@ -289,6 +318,12 @@ def spawn_row(payload: bytes, plan: Plan) -> Row:
                f"4 bare pythons at once {bare * 1e3:,.0f} ms", ratio(spawn, bare))
 
 
+def kill_row(plan: Plan) -> Row:
+    detect = statistics.median(kill_detection() for _ in range(plan.spawns))
+    return Row(f"kill -9 to SupervisionError (median of {plan.spawns})", f"{detect * 1e3:,.1f} ms",
+               "target 1,000 ms", ratio(detect, 1.0))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few iterations, a smoke test")
@@ -306,7 +341,7 @@ def main() -> None:
         rows += mesh_rows(procs, payload, plan, block, spin)
     finally:
         procs.stop()
-    rows.append(spawn_row(payload, plan))
+    rows += [spawn_row(payload, plan), kill_row(plan)]
     print_table(rows)
 
 
