@@ -21,15 +21,13 @@ class Flag:
 
 
 FLAGS: dict[str, Flag] = {f.name: f for f in [
-    Flag("MONARCH_DEBUG", "0", "1 logs control-plane events at DEBUG level"),
+    Flag("MONARCH_DEBUG", "0", "1 logs control-plane events (spawns, connections, failures) to stderr"),
     Flag("MONARCH_HOST", "127.0.0.1", "address the controller's control socket binds to"),
     Flag("MONARCH_MPIEXEC", "", "path of the mpiexec to launch workers with (default: the venv's MPICH)"),
     Flag("MONARCH_SPAWN_TIMEOUT", "60", "seconds to wait for every worker to connect back"),
     Flag("MONARCH_MAX_FRAME", str(1 << 30), "largest control-plane frame in bytes"),
     Flag("MONARCH_DEATH_GRACE", "0.3", "seconds to wait for a dead worker's exit status before failing"),
     Flag("MONARCH_SPIN_US", "50", "microseconds to busy-poll for the next message before sleeping (0: never)"),
-    Flag("MONARCH_TRANSPORT", "mpi", "data plane between workers: mpi, verbs or shm"),
-    Flag("MONARCH_STRICT", "0", "1 turns the replicated fallback for ops without a rule into an error"),
 ]}
 
 
@@ -71,14 +69,6 @@ def death_grace() -> float:
 
 def spin_seconds() -> float:
     return float(_get("MONARCH_SPIN_US", float)) * 1e-6  # type: ignore[arg-type]
-
-
-def transport() -> str:
-    return str(_get("MONARCH_TRANSPORT", str))
-
-
-def strict() -> bool:
-    return bool(_get("MONARCH_STRICT", _bool))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 from collections import deque
+from contextlib import suppress
 from dataclasses import dataclass
 
 from monarch.runtime.codec import ROLE_MONITOR, ROLE_WORKER, Header, encode_frame
@@ -97,10 +98,8 @@ def _close(*fds: int) -> None:
 
 
 def _die_with_parent(parent: int) -> None:
-    try:
+    with suppress(OSError, AttributeError):  # not Linux: the control socket's EOF still ends the worker
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
     if os.getppid() != parent:
         os._exit(1)
 
@@ -133,10 +132,8 @@ def _monitor(launch: Launch, child: int, pipes: dict[int, int], prefix: bytes) -
 
 
 def _write(fd: int, data: bytes) -> None:
-    try:
+    with suppress(OSError):  # mpiexec's end of the pipe is gone: output has nowhere to go
         os.write(fd, data)
-    except OSError:
-        pass
 
 
 def _report(launch: Launch, msg: ProcExit) -> None:

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import suppress
 from dataclasses import replace
 from typing import Any
 
@@ -64,10 +65,8 @@ class ForwardSink:
         if rank in self.missing:
             self.missing.discard(rank)
             value = payload if isinstance(payload, bytes) else codec.dumps(payload)
-            try:
+            with suppress(OSError):  # the calling worker is gone; its own supervision reports that
                 self.source.send(codec.encode_frame([Reply(self.call.call_id, self.call.reply_to, rank, ok, value)]))
-            except OSError:
-                pass
 
     def fail_missing(self, exc: BaseException) -> None:
         for r in sorted(self.missing):
@@ -112,6 +111,9 @@ class Controller:
         self._poller = Poller(self._expire)
         self._listeners: dict[str, str] = {}  # bind host -> "host:port"
         self.address = self.listen(config.host())
+        if config.debug():
+            logging.basicConfig()
+            log.setLevel(logging.DEBUG)
         atexit.register(self.shutdown)
 
     # -- client protocol -------------------------------------------------------------------------
@@ -166,6 +168,7 @@ class Controller:
         mesh = Mesh(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES))
         address = self.listen(bind) if bind else self.address
         cmd = launch.command(launch.find_mpiexec(), shape, hosts, address, mesh.id)
+        log.debug("spawning mesh %r (id %d): %s", name, mesh.id, " ".join(cmd))
         self.meshes[mesh.id] = mesh
         try:
             mesh.proc = launch.start(cmd, launch.worker_env(mesh.token, env))
@@ -278,6 +281,8 @@ class Controller:
             mesh.conns[header.rank] = conn
         conn.header, conn.mesh = header, mesh
         self._handshaking.discard(conn)
+        log.debug("mesh %r: rank %d connected (%s)", mesh.name, header.rank,
+                  "worker" if header.role == codec.ROLE_WORKER else "monitor")
         return True
 
     def _handle(self, conn: Conn, msg: Any) -> None:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+from contextlib import suppress
 from pathlib import Path
 
 from monarch import config
@@ -65,10 +66,8 @@ def start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
 
 
 def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-    try:
+    with suppress(ProcessLookupError, PermissionError):  # already gone
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def terminate(proc: subprocess.Popen[bytes], grace: float) -> int:

@@ -12,6 +12,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 
 from monarch import config
 
@@ -105,7 +106,5 @@ class Poller:
 
 
 def _drain(fd: int) -> None:
-    try:
+    with suppress(BlockingIOError):  # already drained by another poll
         os.eventfd_read(fd)
-    except BlockingIOError:
-        pass
