@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 
 import pytest
@@ -98,8 +99,9 @@ def test_call_returns_a_value_mesh_with_coordinates(counters: ActorMesh) -> None
     assert [v[2] for v in out.slice(tp=1).values()] == [1, 3]
 
 
-def test_workers_know_their_mpi_rank(counters: ActorMesh) -> None:
+def test_workers_know_their_mpi_rank_and_the_controller_never_joins_mpi(counters: ActorMesh) -> None:
     assert counters.mpi.call().get(timeout=T).values() == [(r, 4) for r in range(4)]
+    assert "mpi4py.MPI" not in sys.modules
 
 
 def test_call_one_choose_and_slices(counters: ActorMesh) -> None:

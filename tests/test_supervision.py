@@ -16,6 +16,7 @@ from monarch.actor import Actor, MeshFailure, endpoint, this_host
 from monarch.errors import SpawnError, SupervisionError
 
 T = 30
+pytestmark = pytest.mark.slow  # each test starts its own meshes; `pytest -m "not slow"` skips them
 
 
 class Sleeper(Actor):
