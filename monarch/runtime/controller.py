@@ -130,7 +130,7 @@ class Controller:
                 raise err
             state.fail_missing(err)
             return
-        self._fan_out(mesh, shape, codec.encode_frame([call]))
+        self.fan_out(mesh, shape, codec.encode_frame([call]))
 
     def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
         self._poller.drive(lambda: len(state.arrived) >= arrived, deadline)
@@ -144,7 +144,8 @@ class Controller:
             raise MeshError(f"proc mesh {mesh_id} does not exist in this controller (stopped, or from "
                             "another process)") from None
 
-    def _fan_out(self, mesh: Mesh, shape: Shape, frame: bytes) -> None:
+    def fan_out(self, mesh: Mesh, shape: Shape, frame: bytes) -> None:
+        """Send one encoded frame to every rank of `shape`; a failed send marks the rank lost."""
         for r in shape.ranks():
             conn = mesh.conns[r]
             try:
@@ -194,7 +195,7 @@ class Controller:
         if mesh.stopping:
             return
         mesh.stopping = True
-        self._fan_out(mesh, Shape.row_major(("r",), (len(mesh.shape),)), codec.encode_frame([Stop()]))
+        self.fan_out(mesh, mesh.shape, codec.encode_frame([Stop()]))
         if mesh.proc is not None:
             launch.terminate(mesh.proc, grace)
         err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} was stopped; spawn a new proc mesh")
@@ -318,7 +319,7 @@ class Controller:
             return
         if call.want_reply:
             target.pending[(source.addr, call.call_id)] = sink
-        self._fan_out(target, msg.shape, codec.encode_frame([call]))
+        self.fan_out(target, msg.shape, codec.encode_frame([call]))
 
     def _peer_closed(self, conn: Conn) -> None:
         self._close(conn)
@@ -348,7 +349,7 @@ class Controller:
         frame = codec.encode_frame([Supervise(failure)])
         for other in list(self.meshes.values()):
             if other.live:
-                self._fan_out(other, Shape.row_major(("r",), (len(other.shape),)), frame)
+                self.fan_out(other, other.shape, frame)
 
 
 class _ConnReader:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from monarch.errors import MeshError
+from monarch.errors import MeshError, SupervisionError
 from monarch.runtime import codec
 from monarch.runtime.commands import SpawnActor
 from monarch.runtime.controller import Mesh, controller
@@ -75,11 +75,10 @@ class ProcMesh(MeshView):
         if name in self._mesh.actors:
             raise MeshError(f"proc mesh {self.name!r} already has actors named {name!r}; pick another name")
         msg = SpawnActor(name, codec.dumps(actor_cls), codec.dumps((args, kwargs)), self._shape)
-        ctl = controller()
         if not self._mesh.live:
-            raise ctl.mesh(self._mesh.id).failure or MeshError(f"proc mesh {self.name!r} is stopped")
+            raise self._mesh.failure or SupervisionError(f"proc mesh {self.name!r} is stopped; spawn a new one")
         self._mesh.actors.add(name)
-        ctl._fan_out(self._mesh, self._shape, codec.encode_frame([msg]))
+        controller().fan_out(self._mesh, self._shape, codec.encode_frame([msg]))
         return ActorMesh(self._mesh.id, name, actor_cls.__name__, frozenset(table), self._shape)
 
     def stop(self) -> None:
