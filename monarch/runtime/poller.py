@@ -45,9 +45,6 @@ class Poller:
         if self._handlers.pop(fd, None) is not None:
             self._ep.unregister(fd)
 
-    def handlers(self) -> list[Callable[[], None]]:
-        return list(self._handlers.values())
-
     def _poll_once(self, limit: float | None, spin: float = 0.0) -> None:
         timeout = self._tick()
         if limit is not None:
