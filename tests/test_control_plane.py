@@ -108,3 +108,19 @@ def test_host_option_binds_another_address() -> None:
     with this_host().spawn_procs(per_host={"gpus": 1}, host="127.0.0.2") as procs:
         assert procs.spawn("e", Echo).echo.call_one(5).get(timeout=T) == 5
         assert controller().listen("127.0.0.2").startswith("127.0.0.2:")
+
+
+class Relay(Actor):
+    @endpoint
+    def relay(self, target, n: int, size: int) -> int:
+        futures = [target.echo.call_one(bytes(size)) for _ in range(n)]  # queued, sent as one frame
+        return sum(len(f.get(timeout=T)) for f in futures)
+
+
+def test_large_relayed_traffic_in_both_directions_does_not_stall(procs: ProcMesh, echo) -> None:
+    """Two workers relay batches to a third through the controller while it sends replies back:
+    the controller must keep reading that worker while its own output to it is backed up."""
+    relays = procs.slice(dp=0).spawn("relays", Relay)
+    target = echo.slice(dp=1, tp=1)
+    n, size = 4, 8 << 20
+    assert relays.relay.call(target, n, size).get(timeout=T).values() == [n * size] * 2

@@ -34,12 +34,18 @@ HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its header
 
 
 class Conn:
-    """One accepted socket: unauthenticated until its header checks out, then a worker or a monitor."""
+    """One accepted socket: unauthenticated until its header checks out, then a worker or a monitor.
 
-    def __init__(self, sock: socket.socket, addr: int) -> None:
+    Sending never blocks: what the socket does not take at once is queued, in order, and written by
+    the poller when the peer reads, so a slow peer can never stall the control plane.
+    """
+
+    def __init__(self, sock: socket.socket, addr: int, poller: Poller) -> None:
         self.sock = sock
         self.addr = addr
+        self.poller = poller
         self.lock = threading.Lock()
+        self.out: deque[memoryview] = deque()
         self.head = b""
         self.header: codec.Header | None = None
         self.reader = codec.FrameReader(config.max_frame())
@@ -48,7 +54,32 @@ class Conn:
 
     def send(self, frame: bytes) -> None:
         with self.lock:
-            self.sock.sendall(frame)
+            if self.out:
+                self.out.append(memoryview(frame))
+                return
+            try:
+                n = self.sock.send(frame)
+            except BlockingIOError:
+                n = 0
+            if n < len(frame):
+                self.out.append(memoryview(frame)[n:])
+                self.poller.want_write(self.sock.fileno(), self._flush)
+
+    def _flush(self) -> None:
+        """Write queued output while the socket takes it (poller thread)."""
+        with self.lock:
+            try:
+                while self.out:
+                    n = self.sock.send(self.out[0])
+                    if n < len(self.out[0]):
+                        self.out[0] = self.out[0][n:]
+                        return
+                    self.out.popleft()
+            except BlockingIOError:
+                return
+            except OSError:
+                self.out.clear()  # the peer is gone; its reader sees the EOF and reports it
+            self.poller.done_writing(self.sock.fileno())
 
 
 class ForwardSink:
@@ -235,9 +266,9 @@ class Controller:
             sock, _ = listener.accept()
         except BlockingIOError:
             return
-        sock.setblocking(True)
+        sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Conn(sock, next(self._addrs))
+        conn = Conn(sock, next(self._addrs), self._poller)
         self._handshaking.add(conn)
         self._poller.watch(sock.fileno(), _ConnReader(self, conn))
 
@@ -362,6 +393,8 @@ class _ConnReader:
         conn = self.conn
         try:
             data = conn.sock.recv(codec.RECV_BYTES)
+        except BlockingIOError:
+            return
         except OSError:
             data = b""
         if not data:

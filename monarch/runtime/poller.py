@@ -21,12 +21,14 @@ _STEP_ASIDE = 0.005  # seconds the background thread stays off after a user thre
 
 
 class Poller:
-    """An epoll set with handlers per fd and a periodic `tick`, polled by one thread at a time."""
+    """An epoll set with read (and, while output is queued, write) handlers per fd and a periodic
+    `tick`, polled by one thread at a time."""
 
     def __init__(self, tick: Callable[[], float]) -> None:
         self._tick = tick  # runs after every poll; returns seconds until it needs to run again
         self._ep = select.epoll()
         self._handlers: dict[int, Callable[[], None]] = {}
+        self._writers: dict[int, Callable[[], None]] = {}
         self._io = threading.Lock()
         self._count_lock = threading.Lock()
         self._waiters = 0
@@ -42,8 +44,19 @@ class Poller:
         self._ep.register(fd, select.EPOLLIN)
 
     def unwatch(self, fd: int) -> None:
+        self._writers.pop(fd, None)
         if self._handlers.pop(fd, None) is not None:
             self._ep.unregister(fd)
+
+    def want_write(self, fd: int, handler: Callable[[], None]) -> None:
+        """Call `handler` whenever `fd` can take more output, until `done_writing(fd)`."""
+        if fd in self._handlers and fd not in self._writers:
+            self._writers[fd] = handler
+            self._ep.modify(fd, select.EPOLLIN | select.EPOLLOUT)
+
+    def done_writing(self, fd: int) -> None:
+        if self._writers.pop(fd, None) is not None and fd in self._handlers:
+            self._ep.modify(fd, select.EPOLLIN)
 
     def _poll_once(self, limit: float | None, spin: float = 0.0) -> None:
         timeout = self._tick()
@@ -54,14 +67,11 @@ class Poller:
             until = time.perf_counter() + spin
             while not events and time.perf_counter() < until:
                 events = self._ep.poll(0)
-        for fd, _ in events or self._ep.poll(timeout):
-            handler = self._handlers.get(fd)
-            if handler is None:
-                continue
-            try:
-                handler()
-            except Exception:  # noqa: BLE001 - the control plane must survive any one peer
-                log.exception("monarch controller: error while handling fd %d", fd)
+        for fd, mask in events or self._ep.poll(timeout):
+            if mask & select.EPOLLOUT:
+                _run(fd, self._writers.get(fd))
+            if mask & ~select.EPOLLOUT:
+                _run(fd, self._handlers.get(fd))
 
     def _background(self) -> None:
         while True:
@@ -100,6 +110,15 @@ class Poller:
         finally:
             with self._count_lock:
                 self._waiters -= 1
+
+
+def _run(fd: int, handler: Callable[[], None] | None) -> None:
+    if handler is None:
+        return
+    try:
+        handler()
+    except Exception:  # noqa: BLE001 - the control plane must survive any one peer
+        log.exception("monarch controller: error while handling fd %d", fd)
 
 
 def _drain(fd: int) -> None:
