@@ -1,15 +1,38 @@
 """monarch: one Python controller driving meshes of worker processes, actors and sharded tensors.
 
 The actor runtime lives in `monarch.actor`; errors in `monarch.errors`; flags in `monarch.config`.
+The sharded-tensor API below loads torch and the compiler on first use, so that importing monarch
+(as every worker does) stays cheap.
 """
 from __future__ import annotations
 
-from monarch.errors import (ActorError, MeshError, MonarchError, RemoteError, ShardingError, SpawnError,
+from importlib import import_module
+from typing import Any
+
+from monarch.errors import (ActorError, MeshError, MonarchError, RemoteError, ShapeError, ShardingError, SpawnError,
                             SupervisionError, TransportError, UnsupportedOpError)
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "MeshTensor": "monarch.tensor", "Shard": "monarch.tensor", "Replicate": "monarch.tensor",
+    "Partial": "monarch.tensor", "Placement": "monarch.tensor",
+    "register_rule": "monarch.graph.rules",
+    **{name: "monarch.runtime.tensors" for name in (
+        "distribute_tensor", "randn", "rand", "randint", "zeros", "ones", "full", "empty", "arange",
+        "manual_seed", "fetch", "synchronize", "explain", "local_map")},
+}
+
 __all__ = [
-    "ActorError", "MeshError", "MonarchError", "RemoteError", "ShardingError", "SpawnError", "SupervisionError",
-    "TransportError", "UnsupportedOpError", "__version__",
+    "ActorError", "MeshError", "MonarchError", "RemoteError", "ShapeError", "ShardingError", "SpawnError",
+    "SupervisionError", "TransportError", "UnsupportedOpError", "__version__", *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'monarch' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

@@ -28,6 +28,9 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_MAX_FRAME", str(1 << 30), "largest control-plane frame in bytes"),
     Flag("MONARCH_DEATH_GRACE", "0.3", "seconds to wait for a dead worker's exit status before failing"),
     Flag("MONARCH_SPIN_US", "50", "microseconds to busy-poll for the next message before sleeping (0: never)"),
+    Flag("MONARCH_STRICT", "0", "1 raises UnsupportedOpError for an op with no sharding rule instead of "
+         "running it replicated"),
+    Flag("MONARCH_FLUSH_OPS", "20000", "recorded ops after which the pending graph is shipped without a sync"),
 ]}
 
 
@@ -69,6 +72,14 @@ def death_grace() -> float:
 
 def spin_seconds() -> float:
     return float(_get("MONARCH_SPIN_US", float)) * 1e-6  # type: ignore[arg-type]
+
+
+def strict() -> bool:
+    return bool(_get("MONARCH_STRICT", _bool))
+
+
+def flush_ops() -> int:
+    return int(_get("MONARCH_FLUSH_OPS", int))  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

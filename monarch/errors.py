@@ -18,6 +18,10 @@ class ShardingError(MonarchError):
     """Tensors with incompatible shardings, shapes or meshes met in one op."""
 
 
+class ShapeError(ShardingError, RuntimeError):
+    """An op got inputs whose global shapes or dtypes do not fit (raised on the controller, as torch would)."""
+
+
 class UnsupportedOpError(MonarchError):
     """An op has no sharding rule and strict mode forbids the replicated fallback."""
 

@@ -1,1 +1,5 @@
-"""The compiler: trace, propagate shardings, partition. May import monarch.tensor, never monarch.runtime."""
+"""The compiler: trace ops into a torch.fx graph, propagate shardings, partition into rank programs.
+
+Stages, each a function from one frozen artifact to the next: trace.py (TracedGraph), propagate.py and
+the rule table (rules*.py, redistribute.py), partition.py (RankProgram). Never imports monarch.runtime.
+"""

@@ -1,7 +1,7 @@
 """Control-plane messages: frozen dataclasses, the only things that travel between processes.
 
-Controller -> worker: SpawnActor, Call, Stop, Supervise. Worker -> controller: Hello, Reply, Forward,
-Watch. Monitor -> controller: ProcExit. Payloads a user supplies (classes, arguments, return values)
+Controller -> worker: SpawnActor, Call, RunProgram, Stop, Supervise. Worker -> controller: Hello,
+Reply, Forward. Monitor -> controller: ProcExit. Payloads a user supplies (classes, arguments, return values)
 stay opaque bytes so that one bad payload fails one call, never the connection.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 from monarch.runtime.shape import Shape
 
@@ -58,6 +59,19 @@ class Forward:
     mesh_id: int
     shape: Shape
     call: Call
+
+
+@dataclass(frozen=True)
+class RunProgram:
+    """Run one rank program (tensor-engine instructions) for the mesh view `view`.
+
+    When `call_id` is set the worker replies once the program ran: with the value of buffer `fetch`
+    (0: none), or with the first error since the previous reply.
+    """
+    view: Shape
+    instrs: tuple[Any, ...]
+    call_id: int = 0
+    fetch: int = 0
 
 
 @dataclass(frozen=True)

@@ -178,12 +178,29 @@ class Controller:
     def fan_out(self, mesh: Mesh, shape: Shape, frame: bytes) -> None:
         """Send one encoded frame to every rank of `shape`; a failed send marks the rank lost."""
         for r in shape.ranks():
-            conn = mesh.conns[r]
-            try:
-                assert conn is not None, f"rank {r} of {mesh.name} has no connection"
-                conn.send(frame)
-            except (OSError, AssertionError):
-                self._conn_lost(mesh, r)
+            self._send_rank(mesh, r, frame)
+
+    def send_each(self, mesh_id: int, frames: dict[int, bytes], call_id: int, state: CallState | None) -> None:
+        """Send each rank its own frame; `state` collects the replies to `call_id` when given."""
+        mesh = self.mesh(mesh_id)
+        if not mesh.live:
+            err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} is stopped; spawn a new one")
+            if state is None:
+                raise err
+            state.fail_missing(err)
+            return
+        if state is not None:
+            mesh.pending[(CONTROLLER, call_id)] = state
+        for r, frame in frames.items():
+            self._send_rank(mesh, r, frame)
+
+    def _send_rank(self, mesh: Mesh, r: int, frame: bytes) -> None:
+        conn = mesh.conns[r]
+        try:
+            assert conn is not None, f"rank {r} of {mesh.name} has no connection"
+            conn.send(frame)
+        except (OSError, AssertionError):
+            self._conn_lost(mesh, r)
 
     # -- spawning and stopping -------------------------------------------------------------------
     def listen(self, host: str) -> str:

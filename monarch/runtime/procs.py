@@ -90,6 +90,16 @@ class ProcMesh(MeshView):
         """Process ids of the workers of this view, in row-major order."""
         return [self._mesh.pids[r] for r in self._shape.ranks()]
 
+    def activate(self) -> Any:
+        """Context manager: plain torch factories (torch.randn, torch.zeros, ...) create MeshTensors here."""
+        from monarch.runtime.tensors import activate
+        return activate(self)
+
+    def rank(self, dim: str) -> Any:
+        """A MeshTensor of shape (size(dim),) sharded over `dim`: each rank holds its own index."""
+        from monarch.runtime.tensors import rank
+        return rank(self, dim)
+
     def __enter__(self) -> ProcMesh:
         return self
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from monarch import config
 from monarch.errors import TransportError
 from monarch.runtime import codec
-from monarch.runtime.commands import Call, Forward, Reply, SpawnActor, Stop, Supervise
+from monarch.runtime.commands import CONTROLLER, Call, Forward, Reply, RunProgram, SpawnActor, Stop, Supervise
 from monarch.runtime.context import set_client
 from monarch.runtime.futures import CallState
 from monarch.runtime.hosting import HostedActor
@@ -44,7 +44,9 @@ class Worker:
         self._spin = AdaptiveSpin(config.spin_seconds())
         self._handlers: dict[type, Callable[[Any], None]] = {
             SpawnActor: self._spawn, Call: self._call, Reply: self._reply, Stop: self._stop, Supervise: self._supervise,
+            RunProgram: self._run_program,
         }
+        self._tensors: Any = None  # the tensor engine, created (with torch) on the first RunProgram
 
     def serve(self) -> None:
         """Run until told to stop or until the controller goes away."""
@@ -139,6 +141,15 @@ class Worker:
             state.deliver(msg.rank, msg.ok, msg.value)
             if state.done:
                 del self._pending[msg.call_id]
+
+    def _run_program(self, msg: RunProgram) -> None:
+        if self._tensors is None:
+            from monarch.runtime.tensor_service import TensorService
+            self._tensors = TensorService(self.rank)
+        reply = self._tensors.run(msg)
+        if msg.call_id:
+            ok, value = reply
+            self._outbox.append(Reply(msg.call_id, CONTROLLER, self.rank, ok, value))
 
     def _stop(self, msg: Stop) -> None:
         self._stopped = True

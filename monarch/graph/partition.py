@@ -1,0 +1,99 @@
+"""Partitioning: a TracedGraph becomes one RankProgram per mesh point, with frees after last uses.
+
+Every node's emitter writes its instructions for each mesh coordinate (most ops emit one shared
+instruction for all ranks). Liveness is computed on the node DAG with networkx: a buffer that no
+MeshTensor holds any more is freed right after the last node that reads it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import networkx as nx
+import torch.fx as fx
+
+from monarch.graph.program import RankProgram
+from monarch.graph.rules import Emit, op_name
+from monarch.graph.trace import TracedGraph
+from monarch.tensor.instr import Free, Instr, Local
+
+
+def partition(traced: TracedGraph) -> tuple[RankProgram, ...]:
+    coords = list(traced.mesh.coords())
+    programs: list[list[Instr]] = [[] for _ in coords]
+    dead = dead_after(traced)
+    for node in traced.graph.nodes:
+        emit = node.meta.get("emit")
+        if emit is Emit.default:
+            shared = Local(op_name(node.target), node.meta["local_args"], node.meta["local_kwargs"], node.meta["ids"])
+            for prog in programs:
+                prog.append(shared)
+        elif emit is not None:
+            for prog, c in zip(programs, coords, strict=True):
+                prog.extend(_emit(node, c))
+        frees = dead.get(node)
+        if frees:
+            free = Free(frees)
+            for prog in programs:
+                prog.append(free)
+    released = tuple(i for i in traced.released if i not in _produced(traced))
+    unused = tuple(i for i in released if i not in _read(traced))
+    head = [Free(unused)] if unused else []
+    return tuple(RankProgram(c, tuple(head + p)) for c, p in zip(coords, programs, strict=True))
+
+
+def _emit(node: fx.Node, coords: tuple[int, ...]) -> list[Instr]:
+    temps = _temps()
+    m = node.meta
+    ctx = Emit(m["call"], m["in_specs"], m["specs"], coords, m["local_args"], m["local_kwargs"], m["ids"],
+               lambda: next(temps))
+    instrs = m["emit"](ctx)
+    used = [i for ins in instrs for i in _outs(ins) if i < 0]
+    return instrs + [Free(tuple(sorted(set(used))))] if used else instrs
+
+
+def _temps() -> Iterator[int]:
+    n = 0
+    while True:
+        n -= 1
+        yield n
+
+
+def _outs(ins: Instr) -> tuple[int, ...]:
+    return ins.outs if isinstance(ins, Local) else (ins.out,) if hasattr(ins, "out") else ()
+
+
+def dag(traced: TracedGraph) -> nx.DiGraph:
+    """Nodes of the traced graph with an edge from each producer to each reader."""
+    g = nx.DiGraph()
+    for node in traced.graph.nodes:
+        g.add_node(node)
+        for src in node.all_input_nodes:
+            g.add_edge(src, node)
+    return g
+
+
+def dead_after(traced: TracedGraph) -> dict[fx.Node, tuple[int, ...]]:
+    """For each node, the buffers that die once it has run (no later reader, no MeshTensor holding them)."""
+    g = dag(traced)
+    order = {n: i for i, n in enumerate(nx.topological_sort(g))}
+    released = set(traced.released)
+    dead: dict[fx.Node, list[int]] = {}
+    for node in g.nodes:
+        ids = node.meta.get("ids", ())
+        mortal = [i for i in ids if i not in traced.live and (node.op != "placeholder" or i in released)]
+        if not mortal:
+            continue
+        readers = list(g.successors(node))
+        last = max(readers, key=order.__getitem__) if readers else node
+        if node.op == "placeholder" and not readers:
+            continue
+        dead.setdefault(last, []).extend(mortal)
+    return {n: tuple(ids) for n, ids in dead.items()}
+
+
+def _produced(traced: TracedGraph) -> set[int]:
+    return {i for n in traced.graph.nodes if n.op != "placeholder" for i in n.meta.get("ids", ())}
+
+
+def _read(traced: TracedGraph) -> set[int]:
+    return {n.meta["ids"][0] for n in traced.graph.nodes if n.op == "placeholder"}

@@ -1,0 +1,97 @@
+"""Sharding propagation: for one op call, the input and output placements on every mesh dim.
+
+Each mesh dim is decided on its own: of the rule's strategies (plus "all replicated"), the one whose
+input redistributions move the fewest bytes wins; ties go to fewer redistribution steps, then to a
+sharded output, then to a Partial one. An op with no rule runs replicated, with a one-time warning
+(an UnsupportedOpError under MONARCH_STRICT=1).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from monarch import config
+from monarch.errors import UnsupportedOpError
+from monarch.graph.rules import Emitter, OpCall, Strategy, all_replicated, load_rules, rule_for
+from monarch.tensor.placement import Partial, Placement, Shard
+from monarch.tensor.spec import Spec
+
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Chosen placements for one call: inputs after redistribution, outputs, and the local emitter."""
+    ins: tuple[Spec, ...]
+    outs: tuple[Spec, ...]
+    strategies: tuple[Strategy, ...]  # one per mesh dim
+    emit: Emitter | None
+    fallback: bool = False
+
+
+def decide(call: OpCall) -> Decision:
+    load_rules()
+    rule = rule_for(call.op)
+    if rule is None:
+        return _fallback(call)
+    chosen = tuple(_best(call, d, rule(call, d)) for d in range(call.ins[0].mesh.ndim if call.ins else 0))
+    ins = tuple(s.with_placements(tuple(c.inputs[i] for c in chosen)) for i, s in enumerate(call.ins))
+    outs = tuple(s.with_placements(tuple(c.outputs[i] for c in chosen)) for i, s in enumerate(call.outs))
+    emit = next((c.emit for c in chosen if c.emit is not None), None)
+    return Decision(ins, outs, chosen, emit)
+
+
+def _best(call: OpCall, d: int, strategies: list[Strategy]) -> Strategy:
+    best, best_key = None, None
+    for i, s in enumerate([*strategies, all_replicated(call)]):
+        key = _key(call, d, s, i)
+        if key is not None and (best_key is None or key < best_key):
+            best, best_key = s, key
+    assert best is not None
+    return best
+
+
+def _key(call: OpCall, d: int, s: Strategy, order: int) -> tuple[float, int, int, int] | None:
+    """Sort key of strategy `s` on mesh dim d, or None when it does not fit the inputs."""
+    n = call.ins[0].mesh.sizes[d]
+    nbytes, changes = 0.0, 0
+    for spec, want in zip(call.ins, s.inputs, strict=True):
+        have = spec.placements[d]
+        if isinstance(want, Shard) and not 0 <= want.dim < spec.ndim:
+            return None
+        if have != want:
+            changes += 1
+            nbytes += _transition_bytes(spec, have, want, n)
+    out = s.outputs[0] if s.outputs else None
+    rank = 0 if isinstance(out, Shard) else 1 if isinstance(out, Partial) else 2
+    return (nbytes, changes, rank, order)
+
+
+def _transition_bytes(spec: Spec, have: Placement, want: Placement, n: int) -> float:
+    """Bytes a rank sends to change one mesh dim's placement (leaving R is always local)."""
+    if n == 1 or not isinstance(have, (Shard, Partial)):
+        return 0.0
+    if isinstance(want, Shard):
+        factor = 0.5 if isinstance(have, Shard) else 1.0  # all_to_all, reduce_scatter
+    else:
+        factor = 2.0 if isinstance(have, Partial) else 1.0  # all_reduce, all_gather
+    return factor * spec.nbytes * (n - 1) / n
+
+
+def _fallback(call: OpCall) -> Decision:
+    name = call.name
+    if config.strict():
+        raise UnsupportedOpError(f"{name}: no sharding rule (inputs {list(call.ins)}); register one with "
+                                 "@register_rule in monarch/graph/rules_<family>.py, or unset MONARCH_STRICT to "
+                                 "run it replicated")
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"monarch: {name} has no sharding rule; its inputs are gathered and it runs replicated "
+                      "(MONARCH_STRICT=1 makes this an error)", stacklevel=4)
+    s = all_replicated(call)
+    mesh = call.ins[0].mesh if call.ins else None
+    ndim = mesh.ndim if mesh else 0
+    ins = tuple(spec.with_placements(tuple(s.inputs[i] for _ in range(ndim))) for i, spec in enumerate(call.ins))
+    outs = tuple(spec.with_placements(tuple(s.outputs[i] for _ in range(ndim))) for i, spec in enumerate(call.outs))
+    return Decision(ins, outs, (s,) * ndim, None, fallback=True)
+

@@ -1,0 +1,279 @@
+"""Recording: every op on MeshTensors becomes a node of a pending torch.fx graph, with specs decided.
+
+For each call the tracer computes output shapes on meta tensors (never real data), asks propagation
+for placements, inserts a redistribution node for every input whose placement must change, and hands
+back new MeshTensors. Both results are cached by op and input signature, so a repeated op costs a
+dictionary lookup. `take()` closes the pending graph as a frozen `TracedGraph` for partitioning.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from monarch.errors import ShapeError, ShardingError, UnsupportedOpError
+from monarch.graph.propagate import Decision, decide
+from monarch.graph.redistribute import Plan, emit_step, plan
+from monarch.graph.rules import Emit, OpCall
+from monarch.tensor.instr import Buf, Instr
+from monarch.tensor.meshtensor import Backend, MeshTensor
+from monarch.tensor.placement import Placements, Replicate
+from monarch.tensor.spec import AbstractMesh, Spec, spec_of
+
+SCALARS = (int, float, bool, complex)
+PLAIN = (str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+NodeEmitter = Callable[[Emit], list[Instr]]
+
+
+class Value:
+    """The handle a MeshTensor holds: its buffer id and the node that produces it."""
+    __slots__ = ("id", "node", "tracer")
+
+    def __init__(self, id: int, node: fx.Node, tracer: Tracer) -> None:
+        self.id, self.node, self.tracer = id, node, tracer
+
+    def __del__(self) -> None:
+        self.tracer.release(self.id)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the tracer remembers about one op signature."""
+    call: OpCall
+    decision: Decision
+    build: Callable[[list[Any]], Any]  # the op's return value from its output MeshTensors
+    inplace: bool
+
+
+@dataclass(frozen=True)
+class TracedGraph:
+    """A closed pending graph: fx nodes carry `ids`, `specs`, `emit` and `local_args` in their meta."""
+    graph: fx.Graph
+    mesh: AbstractMesh
+    live: frozenset[int]      # buffers still held by MeshTensors after this graph
+    released: tuple[int, ...]  # buffers produced earlier whose MeshTensors are gone
+
+    def __str__(self) -> str:
+        lines = []
+        for n in self.graph.nodes:
+            if n.op == "placeholder" or n.target is operator.getitem:
+                continue
+            ins = ", ".join(f"%{a.meta['ids'][0]}: {_placements(a)}" for a in n.all_input_nodes)
+            outs = ", ".join(f"%{i}" for i in n.meta["ids"])
+            specs = ", ".join(repr(s) for s in n.meta["specs"])
+            lines.append(f"{outs} = {_target_name(n.target)}({ins}) -> {specs}")
+        return "\n".join(lines)
+
+
+class Tracer:
+    """The pending graph of one mesh view."""
+
+    def __init__(self, mesh: AbstractMesh, backend: Backend) -> None:
+        self.mesh, self.backend = mesh, backend
+        self.ids = itertools.count(1)
+        self.live: set[int] = set()
+        self.released: list[int] = []
+        self.cache: dict[Any, Recorded] = {}
+        self._new_graph()
+
+    def _new_graph(self) -> None:
+        self.graph = fx.Graph()
+        self.n_ops = 0
+        self._inputs: dict[int, fx.Node] = {}      # buffer id -> placeholder of an earlier buffer
+        self._moved_cache: dict[tuple[int, Placements], tuple[fx.Node, int]] = {}
+
+    # -- values ----------------------------------------------------------------------------------
+    def new_value(self, node: fx.Node, id: int | None = None) -> Value:
+        v = Value(next(self.ids) if id is None else id, node, self)
+        self.live.add(v.id)
+        return v
+
+    def release(self, id: int) -> None:
+        self.live.discard(id)
+        self.released.append(id)
+
+    def wrap(self, spec: Spec, node: fx.Node, id: int) -> MeshTensor:
+        return MeshTensor(spec, self.backend, self.new_value(node, id))
+
+    def _node_of(self, t: MeshTensor) -> fx.Node:
+        v: Value = t._handle
+        if v.node.graph is self.graph:
+            return v.node
+        node = self._inputs.get(v.id)
+        if node is None:
+            node = self.graph.create_node("placeholder", f"b{v.id}", name=f"b{v.id}")
+            node.meta.update(ids=(v.id,), specs=(t._spec,), emit=None)
+            self._inputs[v.id] = node
+        return node
+
+    # -- recording -------------------------------------------------------------------------------
+    def node(self, target: Any, args: tuple, specs: tuple[Spec, ...], emit: NodeEmitter | None,
+             local_args: tuple = (), local_kwargs: dict | None = None, call: OpCall | None = None,
+             in_specs: tuple[Spec, ...] = ()) -> tuple[fx.Node, tuple[int, ...]]:
+        """Append one node producing len(specs) new buffers; `emit` makes its per-rank instructions."""
+        ids = tuple(next(self.ids) for _ in specs)
+        n = self.graph.create_node("call_function", target, (), {}, name=f"n{ids[0] if ids else next(self.ids)}")
+        n._update_args_kwargs(args, {})
+        n.meta.update(ids=ids, specs=specs, emit=emit, local_args=local_args, local_kwargs=local_kwargs or {},
+                      call=call, in_specs=in_specs)
+        self.n_ops += 1
+        return n, ids
+
+    def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        ins: list[MeshTensor] = []
+        try:
+            key = (func, _key(args, ins, self), _key(kwargs, ins, self) if kwargs else None)
+            entry = self.cache.get(key)
+        except TypeError:  # an unhashable argument: analyse without caching
+            key, entry = None, None
+        except ShardingError as e:
+            raise ShardingError(f"{func.name()}: {e}") from None
+        if entry is None:
+            entry = self._analyze(func, args, kwargs, ins)
+            if key is not None:
+                self.cache[key] = entry
+        srcs = [self._moved(t, want) for t, want in zip(ins, entry.decision.ins, strict=True)]
+        bufs = iter([Buf(i) for _, i in srcs])
+        local_args = _substitute(args, bufs)
+        local_kwargs = _substitute(kwargs, bufs) if kwargs else {}
+        d = entry.decision
+        node, ids = self.node(func, tuple(n for n, _ in srcs), d.outs, d.emit or Emit.default, local_args,
+                              local_kwargs, entry.call, d.ins)
+        outs = [self.wrap(spec, node, i) for spec, i in zip(entry.decision.outs, ids, strict=True)]
+        if entry.inplace:
+            return _rebind(args[0], outs[0])
+        return entry.build(outs)
+
+    def _moved(self, t: MeshTensor, want: Spec) -> tuple[fx.Node, int]:
+        """The node and buffer holding `t` with `want`'s placements (redistributed when they differ)."""
+        src, v = self._node_of(t), t._handle
+        if t._spec.placements == want.placements:
+            return src, v.id
+        key = (v.id, want.placements)
+        hit = self._moved_cache.get(key)
+        if hit is None:
+            p = plan(t._spec, want.placements)
+            node, ids = self.node(redistribute, (src,), (p.dst,), _plan_emitter(p), (Buf(v.id),))
+            hit = self._moved_cache[key] = (node, ids[0])
+        return hit
+
+    def _analyze(self, func: Any, args: tuple, kwargs: dict, ins: list[MeshTensor]) -> Recorded:
+        metas = iter([t._spec.meta() for t in ins])
+        try:
+            result = func(*_substitute(args, metas), **_substitute(kwargs, metas))
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            specs = ", ".join(repr(t._spec) for t in ins)
+            raise ShapeError(f"{func.name()}: {e} (inputs: {specs}); plain torch rejects the same global "
+                             "shapes, fix the shapes or dims of the inputs") from None
+        flat, build = _structure(func, result)
+        R = (Replicate(),) * self.mesh.ndim
+        outs = tuple(spec_of(m, R, self.mesh) for m in flat)
+        call = OpCall(func, _substitute(args, iter([t._spec for t in ins])),
+                      _substitute(kwargs, iter([t._spec for t in ins[_count(args):]])) if kwargs else {},
+                      tuple(t._spec for t in ins), outs)
+        return Recorded(call, decide(call), build, _mutates_self(func))
+
+    def take(self) -> TracedGraph:
+        """Close the pending graph and start a new one."""
+        released, self.released = tuple(self.released), []
+        traced = TracedGraph(self.graph, self.mesh, frozenset(self.live), released)
+        self._new_graph()
+        return traced
+
+
+def redistribute(x: Any) -> Any:
+    """fx target of a redistribution node (the plan is in the node's meta)."""
+    raise AssertionError("redistribute nodes are partitioned, never called")
+
+
+def _plan_emitter(p: Plan) -> NodeEmitter:
+    def emit(ctx: Emit) -> list[Instr]:
+        src, out = ctx.args[0].id, ctx.out_ids[0]
+        steps = p.steps
+        instrs: list[Instr] = []
+        for i, step in enumerate(steps):
+            dst = out if i == len(steps) - 1 else ctx.fresh()
+            instrs.append(emit_step(step, ctx.coords, src, dst))
+            src = dst
+        return instrs
+    return emit
+
+
+def _key(obj: Any, ins: list[MeshTensor], tracer: Tracer) -> Any:
+    """A hashable signature of an argument; collects MeshTensors into `ins` in order."""
+    t = type(obj)
+    if t is MeshTensor:
+        if obj._backend is not tracer.backend:
+            raise ShardingError(f"tensors of two meshes met: {obj._backend.mesh} and {tracer.backend.mesh}; "
+                                "compute on one mesh, or move data with .full_tensor() and distribute_tensor")
+        ins.append(obj)
+        return obj._spec
+    if t in SCALARS:
+        return (t, obj)
+    if t is tuple or t is list:
+        return (t, *(_key(o, ins, tracer) for o in obj))
+    if t is dict:
+        return tuple((k, _key(v, ins, tracer)) for k, v in obj.items())
+    if isinstance(obj, torch.Tensor):
+        raise UnsupportedOpError("a plain torch.Tensor met a MeshTensor in one op; distribute it first with "
+                                 "monarch.distribute_tensor(t, mesh, placements)")
+    if isinstance(obj, PLAIN):
+        return obj
+    raise TypeError(f"unhashable {t.__name__}")
+
+
+def _substitute(obj: Any, values: Any) -> Any:
+    """`obj` with each MeshTensor replaced by the next item of `values`."""
+    t = type(obj)
+    if t is MeshTensor:
+        return next(values)
+    if t is tuple or t is list:
+        return t(_substitute(o, values) for o in obj)
+    if t is dict:
+        return {k: _substitute(v, values) for k, v in obj.items()}
+    return obj
+
+
+def _count(obj: Any) -> int:
+    if type(obj) is MeshTensor:
+        return 1
+    if isinstance(obj, (list, tuple)):
+        return sum(_count(o) for o in obj)
+    return 0
+
+
+def _structure(func: Any, result: Any) -> tuple[list[torch.Tensor], Callable[[list[Any]], Any]]:
+    """Flat tensor outputs and a function rebuilding the op's return value from MeshTensors."""
+    if isinstance(result, torch.Tensor):
+        return [result], operator.itemgetter(0)
+    if isinstance(result, (tuple, list)) and result and all(isinstance(r, torch.Tensor) for r in result):
+        kind = type(result)
+        return list(result), kind
+    raise UnsupportedOpError(f"{func.name()} returns {type(result).__name__}, not tensors; monarch cannot run it on "
+                             "a MeshTensor yet; call .full_tensor() first")
+
+
+def _mutates_self(func: Any) -> bool:
+    """In-place ops (`add_`, `copy_`, `fill_`) write their first argument and return it."""
+    args = func._schema.arguments
+    a = args[0].alias_info if args else None
+    return a is not None and a.is_write
+
+
+def _rebind(target: MeshTensor, out: MeshTensor) -> MeshTensor:
+    """An in-place op: `target` now names the op's result (same global meta, maybe new placements)."""
+    target._spec, target._handle = out._spec, out._handle
+    return target
+
+
+def _placements(n: fx.Node) -> str:
+    return ",".join(map(repr, n.meta["specs"][0].placements))
+
+
+def _target_name(t: Any) -> str:
+    return str(t.name()).removeprefix("aten::") if hasattr(t, "name") else getattr(t, "__name__", str(t))

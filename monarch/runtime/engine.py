@@ -1,0 +1,148 @@
+"""The tensor engine of a worker: local shards by buffer id and the interpreter of rank programs.
+
+Instructions dispatch through `HANDLERS`. A kernel that raises poisons its outputs with the error
+(rank, op, traceback); later instructions that read a poisoned buffer pass the poison on without
+running, collectives still take part (with zeros) so that no peer hangs, and the next sync reports it.
+"""
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from monarch.errors import RemoteError
+from monarch.runtime.kernels import KERNELS
+from monarch.tensor.instr import Buf, Comm, Free, Instr, Local
+
+Transport = Callable[[Comm, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Poison:
+    """Stored in place of a tensor whose computation failed."""
+    error: RemoteError
+
+
+class Engine:
+    """One rank's buffers; `transport` runs a collective for this rank's piece and returns its result."""
+
+    def __init__(self, rank: int, transport: Transport | None = None) -> None:
+        self.rank = rank
+        self.coords: tuple[int, ...] = ()
+        self.label = ""
+        self.transport = transport
+        self.store: dict[int, Any] = {}
+        self.errors: list[RemoteError] = []
+
+    def run(self, instrs: tuple[Instr, ...], coords: tuple[int, ...], label: str) -> None:
+        """Run one rank program; `coords` is this rank's point in the mesh view the program is for."""
+        self.coords, self.label = coords, label
+        for ins in instrs:
+            HANDLERS[type(ins)](self, ins)
+
+    # -- locals ----------------------------------------------------------------------------------
+    def local(self, ins: Local) -> None:
+        poison: list[Poison] = []
+        args = self._resolve(ins.args, poison)
+        kwargs = self._resolve(ins.kwargs, poison) if ins.kwargs else {}
+        if poison:
+            self._poison(ins.outs, poison[0])
+            return
+        try:
+            result = kernel(ins.op)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the error travels to the controller
+            self._fail(ins.outs, ins.op, e)
+            return
+        if len(ins.outs) == 1 and isinstance(result, torch.Tensor):
+            self.store[ins.outs[0]] = result
+        else:
+            for i, r in zip(ins.outs, result, strict=True):
+                self.store[i] = r
+
+    def _resolve(self, obj: Any, poison: list[Poison]) -> Any:
+        t = type(obj)
+        if t is Buf:
+            v = self.store[obj.id]
+            if type(v) is Poison:
+                poison.append(v)
+            return v
+        if t is tuple or t is list:
+            return t(self._resolve(o, poison) for o in obj)
+        if t is dict:
+            return {k: self._resolve(v, poison) for k, v in obj.items()}
+        return obj
+
+    def _fail(self, outs: tuple[int, ...], what: str, e: Exception) -> None:
+        err = RemoteError(f"rank {self.rank} ({self.label}): {what} failed: {type(e).__name__}: {e}",
+                          rank=self.rank, coords=self.label, what=what, remote_traceback=traceback.format_exc(),
+                          exc_type=type(e).__name__)
+        self.errors.append(err)
+        self._poison(outs, Poison(err))
+
+    def _poison(self, outs: tuple[int, ...], p: Poison) -> None:
+        for i in outs:
+            self.store[i] = p
+
+    # -- collectives and frees -------------------------------------------------------------------
+    def comm_input(self, ins: Comm) -> torch.Tensor:
+        """This rank's piece for a collective (zeros of the planned shape when the input is poisoned)."""
+        x = self.store[ins.src]
+        shape = ins.shapes[self.coords[ins.mdim]]
+        if type(x) is Poison:
+            return torch.zeros(shape, dtype=ins.dtype)
+        assert tuple(x.shape) == shape, f"{ins!r}: local shape {tuple(x.shape)}, planned {shape}"
+        return x
+
+    def comm_output(self, ins: Comm, out: torch.Tensor) -> None:
+        x = self.store[ins.src]
+        self.store[ins.out] = x if type(x) is Poison else out
+
+    def comm(self, ins: Comm) -> None:
+        assert self.transport is not None, "this engine has no transport"
+        x = self.comm_input(ins)
+        try:
+            out = self.transport(ins, x)
+        except Exception as e:  # noqa: BLE001
+            self._fail((ins.out,), f"{ins.kind} over mesh dim {ins.mdim}", e)
+            return
+        self.comm_output(ins, out)
+
+    def free(self, ins: Free) -> None:
+        for i in ins.ids:
+            self.store.pop(i, None)
+
+    # -- sync ------------------------------------------------------------------------------------
+    def fetch(self, id: int) -> torch.Tensor | None:
+        """The value of buffer `id` (None when 0); raises the first error since the last sync."""
+        errors, self.errors = self.errors, []
+        if errors:
+            raise errors[0]
+        if not id:
+            return None
+        v = self.store[id]
+        if type(v) is Poison:
+            raise v.error
+        return v
+
+
+_KERNEL_CACHE: dict[str, Callable[..., Any]] = {}
+
+
+def kernel(name: str) -> Callable[..., Any]:
+    """The callable behind `aten::add.Tensor` or `monarch::chunk`."""
+    fn = _KERNEL_CACHE.get(name)
+    if fn is None:
+        if name in KERNELS:
+            fn = KERNELS[name]
+        else:
+            ns, _, rest = name.partition("::")
+            op, _, overload = rest.partition(".")
+            fn = getattr(getattr(getattr(torch.ops, ns), op), overload or "default")
+        _KERNEL_CACHE[name] = fn
+    return fn
+
+
+HANDLERS: dict[type, Callable[[Engine, Any], None]] = {Local: Engine.local, Comm: Engine.comm, Free: Engine.free}

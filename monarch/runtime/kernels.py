@@ -1,0 +1,62 @@
+"""The `monarch::` kernels: local helpers that per-rank programs call besides aten ops.
+
+Each takes local tensors and plain values and returns a new tensor (never a view of an input, so an
+in-place op on the result cannot reach a buffer another MeshTensor holds).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+
+def chunk(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """This rank's piece of a replicated tensor."""
+    return x.narrow(dim, start, length).clone()
+
+
+def partialize(x: torch.Tensor, keep: bool) -> torch.Tensor:
+    """A replicated tensor as Partial(sum): the first rank of the dim keeps it, the others hold zeros."""
+    return x.clone() if keep else torch.zeros_like(x)
+
+
+def constant(x: torch.Tensor) -> torch.Tensor:
+    """Data shipped by the controller (a distributed tensor's piece)."""
+    return x
+
+
+def random(kind: str, shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...], seed: int,
+           kwargs: dict[str, Any]) -> torch.Tensor:
+    """The piece `bounds` of a global random tensor that depends only on `seed` (not on the placement)."""
+    gen = torch.Generator().manual_seed(seed)
+    full = RANDOM[kind](shape, gen, **kwargs)
+    for d, (start, n) in enumerate(bounds):
+        if (start, n) != (0, shape[d]):
+            full = full.narrow(d, start, n)
+    return full.contiguous()
+
+
+RANDOM: dict[str, Callable[..., torch.Tensor]] = {
+    "randn": lambda shape, gen, dtype: torch.randn(shape, generator=gen, dtype=dtype),
+    "rand": lambda shape, gen, dtype: torch.rand(shape, generator=gen, dtype=dtype),
+    "randint": lambda shape, gen, low, high, dtype: torch.randint(low, high, shape, generator=gen, dtype=dtype),
+}
+
+
+def arange(start: float, step: float, first: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements first..first+length of arange(start, ..., step)."""
+    return torch.arange(length, dtype=torch.float64 if dtype.is_floating_point else torch.int64).mul_(step).add_(
+        start + first * step).to(dtype)
+
+
+def rank_index(index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor filled with this rank's index along a mesh dim."""
+    return torch.full(shape, index, dtype=dtype)
+
+
+KERNELS: dict[str, Callable[..., Any]] = {
+    "monarch::chunk": chunk, "monarch::partialize": partialize, "monarch::constant": constant,
+    "monarch::random": random, "monarch::arange": arange, "monarch::rank_index": rank_index,
+}

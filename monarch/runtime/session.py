@@ -1,0 +1,98 @@
+"""The controller-side backend of MeshTensors on one proc mesh view: record, flush, fetch.
+
+A Session owns the view's tracer. Flushing closes the pending graph, partitions it, lowers it and
+sends every worker its program in one frame; a synchronising flush also collects one reply per
+rank (the fetched value from the first, errors from any), raised in rank order.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from monarch import config
+from monarch.graph.partition import partition
+from monarch.graph.program import RankProgram
+from monarch.graph.trace import TracedGraph, Tracer
+from monarch.runtime import codec
+from monarch.runtime.controller import controller
+from monarch.runtime.futures import CallState, Future
+from monarch.runtime.lower import lower
+from monarch.tensor.meshtensor import MeshTensor
+from monarch.tensor.placement import Placement, Replicate
+from monarch.tensor.spec import AbstractMesh
+
+aten = torch.ops.aten
+
+
+class Session:
+    """Backend of the MeshTensors of one proc mesh view."""
+
+    def __init__(self, procs: Any) -> None:
+        self.mesh = procs
+        self.view = procs._shape
+        self.abstract = AbstractMesh(tuple(self.view.labels), tuple(self.view.sizes))
+        self.tracer = Tracer(self.abstract, self)
+        self.flushes = 0
+        self.last: TracedGraph | None = None
+
+    # -- Backend ---------------------------------------------------------------------------------
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if func is aten._local_scalar_dense.default:
+            return self.fetch(args[0]).get().item()
+        out = self.tracer.record(func, args, kwargs)
+        if self.tracer.n_ops >= config.flush_ops():
+            self.flush()
+        return out
+
+    def redistribute(self, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
+        if placements == t._spec.placements:
+            return t
+        node, id = self.tracer._moved(t, t._spec.with_placements(placements))
+        return self.tracer.wrap(node.meta["specs"][0], node, id)
+
+    def fetch(self, t: MeshTensor) -> Future[torch.Tensor]:
+        full = self.redistribute(t, (Replicate(),) * self.abstract.ndim)
+        future = self.flush(fetch=full._handle.id, sync=True)
+        assert future is not None
+        return future
+
+    # -- shipping --------------------------------------------------------------------------------
+    def flush(self, fetch: int = 0, sync: bool = False) -> Future[Any] | None:
+        """Ship the pending graph; with `sync`, a Future of the fetched value (None when fetch is 0)."""
+        traced = self.tracer.take()
+        return self.ship(traced, partition(traced), fetch, sync)
+
+    def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: int = 0,
+             sync: bool = False) -> Future[Any] | None:
+        self.last = traced
+        ctl = controller()
+        call_id = ctl.next_call_id() if sync else 0
+        msgs = lower(programs, self.view, call_id, fetch)
+        state = CallState(self.view, f"tensor program on {self.mesh!r}") if sync else None
+        ctl.send_each(self.mesh._mesh.id, {r: codec.encode_frame([m]) for r, m in msgs.items()}, call_id, state)
+        self.flushes += 1
+        return Future(state, ctl, _fetched) if state is not None else None
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        future = self.flush(sync=True)
+        assert future is not None
+        future.get(timeout)
+
+
+def _fetched(state: CallState) -> Any:
+    """The first rank's value, after raising the error of the lowest failing rank."""
+    values = [state.value(i) for i in range(len(state.raw))]
+    return values[0]
+
+
+_sessions: dict[tuple[int, Any], Session] = {}
+
+
+def session_of(procs: Any) -> Session:
+    """The Session of a ProcMesh view (one per view)."""
+    key = (procs._mesh.id, procs._shape)
+    s = _sessions.get(key)
+    if s is None:
+        s = _sessions[key] = Session(procs)
+    return s

@@ -1,0 +1,47 @@
+"""The worker's tensor engine service: runs RunProgram messages on the Engine with the MPI transport.
+
+It maps the program's mesh view to this rank's coordinates and to the world ranks of each collective
+group, and packs the reply of a synchronising program (the fetched value, or the first error).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from monarch.runtime import codec
+from monarch.runtime.commands import RunProgram
+from monarch.runtime.engine import Engine
+from monarch.runtime.shape import Shape
+from monarch.runtime.transport.mpi import MpiTransport
+
+
+class TensorService:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.engine = Engine(rank, MpiTransport(self._group))
+        self._view: Shape | None = None
+        self._coords: tuple[int, ...] = ()
+        self._places: dict[Shape, tuple[tuple[int, ...], str]] = {}
+
+    def _group(self, mdim: int) -> tuple[int, ...]:
+        view, c = self._view, self._coords
+        assert view is not None
+        return tuple(view.rank_at(c[:mdim] + (k,) + c[mdim + 1:]) for k in range(view.sizes[mdim]))
+
+    def _place(self, view: Shape) -> tuple[tuple[int, ...], str]:
+        hit = self._places.get(view)
+        if hit is None:
+            point = view.point(view.ranks().index(self.rank))
+            hit = self._places[view] = (tuple(point.coords), point.label())
+        return hit
+
+    def run(self, msg: RunProgram) -> tuple[bool, bytes]:
+        self._view = msg.view
+        self._coords, label = self._place(msg.view)
+        self.engine.run(msg.instrs, self._coords, label)
+        if not msg.call_id:
+            return True, b""
+        try:
+            value: Any = self.engine.fetch(msg.fetch)
+        except Exception as e:  # noqa: BLE001 - a remote error is the reply
+            return False, codec.dumps(e)
+        return True, codec.dumps(value)

@@ -1,0 +1,200 @@
+"""The sharded-tensor API on the controller: distribute_tensor, factories, fetch, local_map, explain.
+
+Factories record one node whose per-rank instruction creates the rank's piece on the worker; random
+factories draw the global tensor from a seed (so the values do not depend on the placement) and keep
+the piece. `activate(procs)` makes plain `torch.randn(...)` and friends create MeshTensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import secrets
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from monarch.errors import ShardingError
+from monarch.graph.partition import partition
+from monarch.graph.rules import Emit
+from monarch.runtime.futures import Future
+from monarch.runtime.session import Session, session_of
+from monarch.tensor.instr import Buf, Local
+from monarch.tensor.meshtensor import MeshTensor
+from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
+from monarch.tensor.spec import Spec
+
+PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
+_seed = [secrets.randbits(31), itertools.count()]
+
+
+def manual_seed(seed: int) -> None:
+    """Make every later random factory reproducible (the i-th draw after this depends on seed and i)."""
+    _seed[0], _seed[1] = int(seed), itertools.count()
+
+
+def _next_seed() -> int:
+    return (int(_seed[0]) * 1_000_003 + next(_seed[1])) % (1 << 63)  # type: ignore[call-overload]
+
+
+def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placements: PlacementsArg,
+             make: Callable[[Emit, Spec], Local], what: str) -> MeshTensor:
+    s = session_of(procs)
+    shape = tuple(int(n) for n in (shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape))
+    dtype = dtype or torch.get_default_dtype()
+    ps = normalize(placements, s.abstract.names, len(shape), what)
+    if any(isinstance(p, Partial) for p in ps) and what != "distribute_tensor":
+        raise ShardingError(f"{what}: a new tensor cannot be Partial {ps}; create it Replicate and redistribute")
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    spec = Spec(shape, tuple(meta.stride()), dtype, ps, s.abstract)
+    node, ids = s.tracer.node(FACTORIES[what], (), (spec,), lambda ctx: [make(ctx, spec)])
+    return s.tracer.wrap(spec, node, ids[0])
+
+
+def full(*shape: Any, fill_value: float, mesh: Any, placements: PlacementsArg = None,
+         dtype: torch.dtype | None = None) -> MeshTensor:
+    if dtype is None and isinstance(fill_value, bool):
+        dtype = torch.bool
+    elif dtype is None and isinstance(fill_value, int):
+        dtype = torch.int64
+    return _factory(mesh, shape, dtype, placements, lambda ctx, spec: Local(
+        "aten::full", (list(spec.local_shape(ctx.coords)), fill_value), {"dtype": spec.dtype}, ctx.out_ids), "full")
+
+
+def zeros(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None) -> MeshTensor:
+    return full(*shape, fill_value=0, mesh=mesh, placements=placements, dtype=dtype or torch.get_default_dtype())
+
+
+def ones(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None) -> MeshTensor:
+    return full(*shape, fill_value=1, mesh=mesh, placements=placements, dtype=dtype or torch.get_default_dtype())
+
+
+def empty(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None) -> MeshTensor:
+    """Like zeros (workers fill new buffers, so no uninitialised memory is ever read)."""
+    return zeros(*shape, mesh=mesh, placements=placements, dtype=dtype)
+
+
+def _random(kind: str, shape: Sequence[Any], mesh: Any, placements: PlacementsArg, dtype: torch.dtype | None,
+            **kw: Any) -> MeshTensor:
+    seed = _next_seed()
+
+    def make(ctx: Emit, spec: Spec) -> Local:
+        return Local("monarch::random", (kind, spec.shape, spec.bounds(ctx.coords), seed, {"dtype": spec.dtype, **kw}),
+                     {}, ctx.out_ids)
+    return _factory(mesh, shape, dtype, placements, make, kind)
+
+
+def randn(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None) -> MeshTensor:
+    return _random("randn", shape, mesh, placements, dtype)
+
+
+def rand(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None) -> MeshTensor:
+    return _random("rand", shape, mesh, placements, dtype)
+
+
+def randint(low: int, high: int, shape: Sequence[int], *, mesh: Any, placements: PlacementsArg = None,
+            dtype: torch.dtype | None = None) -> MeshTensor:
+    return _random("randint", shape, mesh, placements, dtype or torch.int64, low=low, high=high)
+
+
+def arange(start: float, end: float | None = None, step: float = 1, *, mesh: Any, placements: PlacementsArg = None,
+           dtype: torch.dtype | None = None) -> MeshTensor:
+    if end is None:
+        start, end = 0, start
+    ref = torch.arange(start, end, step, dtype=dtype, device="meta")
+
+    def make(ctx: Emit, spec: Spec) -> Local:
+        first, length = spec.bounds(ctx.coords)[0]
+        return Local("monarch::arange", (start, step, first, length, spec.dtype), {}, ctx.out_ids)
+    return _factory(mesh, tuple(ref.shape), ref.dtype, placements, make, "arange")
+
+
+def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg = None) -> MeshTensor:
+    """A MeshTensor holding `tensor`'s data, each rank receiving only its own piece."""
+    if isinstance(tensor, MeshTensor):
+        return tensor.redistribute(placements or {})
+    data = tensor.detach()
+
+    def make(ctx: Emit, spec: Spec) -> Local:
+        piece = data
+        for d, (start, n) in enumerate(spec.bounds(ctx.coords)):
+            piece = piece.narrow(d, start, n)
+        keep = all(c == 0 for p, c in zip(spec.placements, ctx.coords, strict=True) if isinstance(p, Partial))
+        return Local("monarch::constant", (piece.clone() if keep else torch.zeros_like(piece),), {}, ctx.out_ids)
+    t = _factory(mesh, tuple(data.shape), data.dtype, placements, make, "distribute_tensor")
+    if tensor.requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def rank(procs: Any, dim: str) -> MeshTensor:
+    """A tensor of shape (size(dim),) holding 0..n-1, sharded over `dim`: each rank holds its own index."""
+    n = procs.size(dim)
+    return arange(n, mesh=procs, placements={dim: Shard(0)})
+
+
+def fetch(t: MeshTensor) -> Future[torch.Tensor]:
+    """A Future of `t.full_tensor()` (everything pending runs)."""
+    return t._backend.fetch(t)
+
+
+def synchronize(procs: Any | None = None, timeout: float | None = None) -> None:
+    """Run everything pending on `procs` (or on every mesh with pending work) and raise remote errors."""
+    from monarch.runtime.session import _sessions
+    targets = [session_of(procs)] if procs is not None else list(_sessions.values())
+    for s in targets:
+        s.synchronize(timeout)
+
+
+def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """Run `fn(*args)`; print and return its traced graph with specs and each rank's program."""
+    sessions = {a._backend for a in args if isinstance(a, MeshTensor)}
+    for s in sessions:
+        s.flush()
+    fn(*args, **kwargs)
+    texts = []
+    for s in sessions:
+        assert isinstance(s, Session)
+        traced = s.tracer.take()
+        programs = partition(traced)
+        texts.append(f"graph on {s.abstract}:\n{traced}\n\n" + "\n".join(str(p) for p in programs))
+        s.ship(traced, programs)
+    text = "\n\n".join(texts)
+    print(text)
+    return text
+
+
+class _Factories(TorchFunctionMode):
+    """Inside `procs.activate()`: plain torch factories create replicated MeshTensors on procs."""
+    NAMES = {torch.randn: randn, torch.rand: rand, torch.zeros: zeros, torch.ones: ones, torch.empty: empty}
+
+    def __init__(self, procs: Any) -> None:
+        super().__init__()
+        self.procs = procs
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if kwargs.get("device") is None and kwargs.get("out") is None:
+            mine = self.NAMES.get(func)
+            if mine is not None and not kwargs.get("generator"):
+                return mine(*args, mesh=self.procs, dtype=kwargs.get("dtype"))
+            if func is torch.full:
+                return full(*args[0], fill_value=args[1] if len(args) > 1 else kwargs["fill_value"],
+                            mesh=self.procs, dtype=kwargs.get("dtype"))
+            if func is torch.arange:
+                return arange(*args, mesh=self.procs, dtype=kwargs.get("dtype"))
+            if func is torch.randint:
+                return randint(*args, mesh=self.procs, dtype=kwargs.get("dtype"))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def activate(procs: Any) -> Iterator[Any]:
+    with _Factories(procs):
+        yield procs
+
+
+
+FACTORIES: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
+    full, randn, rand, randint, arange, distribute_tensor)}

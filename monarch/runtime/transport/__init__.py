@@ -1,0 +1,1 @@
+"""The data plane: moving shards between workers (MPI by default)."""

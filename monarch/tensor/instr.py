@@ -1,0 +1,74 @@
+"""The instruction set of per-rank programs: local kernels, collectives and frees over buffer ids.
+
+Shared by the compiler (which emits them) and the workers (which run them), so it imports torch only.
+Kernels are named by qualified name (`aten::mm`, or `monarch::<kernel>` for the few local helpers the
+workers provide); collectives name a dim of the mesh view the program runs on, never processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Buf:
+    """A tensor argument: the local buffer with this id."""
+    id: int
+
+    def __repr__(self) -> str:
+        return f"%{self.id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Local:
+    """Run kernel `op` on local buffers; its tensor results are stored under `outs`, in order."""
+    op: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outs: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        args = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        outs = ", ".join(f"%{o}" for o in self.outs)
+        return f"{outs} = {self.op.removeprefix('aten::')}({', '.join(args)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    """A collective over mesh dim `mdim`: every member of this rank's group along that dim takes part.
+
+    kinds: all_gather (concatenate along `dim`), all_reduce (`op`), reduce_scatter (`op`, scatter
+    along `dim`), all_to_all (split along `dim`, concatenate along `cat_dim`). `shapes` holds the local
+    input shape of each group member in group order, so uneven pieces need no handshake.
+    """
+    kind: str
+    src: int
+    out: int
+    mdim: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    dim: int = 0
+    cat_dim: int = 0
+    op: str = "sum"
+
+    def __repr__(self) -> str:
+        extra = {"all_gather": f"dim={self.dim}", "all_reduce": self.op,
+                 "reduce_scatter": f"{self.op}, dim={self.dim}",
+                 "all_to_all": f"split={self.dim}, cat={self.cat_dim}"}[self.kind]
+        return f"%{self.out} = {self.kind}(%{self.src}, {extra}, mdim={self.mdim})"
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Drop these buffers (their last use has run)."""
+    ids: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return "free " + ", ".join(f"%{i}" for i in self.ids)
+
+
+Instr = Union[Local, Comm, Free]

@@ -1,0 +1,105 @@
+"""`MeshTensor`: a torch.Tensor subclass whose data lives in shards on a mesh of worker processes.
+
+Every aten op on a MeshTensor reaches `__torch_dispatch__`, which hands it to the tensor's backend
+(the controller-side session of its mesh); the backend records it and returns new MeshTensors. The
+wrapper holds no storage: only the global shape, stride and dtype, the Spec and a buffer handle.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from monarch.errors import ShardingError
+from monarch.tensor.placement import Placement, normalize
+from monarch.tensor.spec import Spec
+
+
+class Backend(Protocol):
+    """What a MeshTensor needs from the runtime of its mesh."""
+    mesh: Any
+
+    def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any: ...
+
+    def redistribute(self, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor: ...
+
+    def fetch(self, t: MeshTensor) -> Any: ...
+
+
+class MeshTensor(torch.Tensor):
+    """A global tensor sharded over a mesh; behaves like a plain tensor under torch ops."""
+    _spec: Spec
+    _backend: Backend
+    _handle: Any
+    __slots__ = ("_spec", "_backend", "_handle")
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, spec: Spec, backend: Backend, handle: Any, requires_grad: bool = False) -> MeshTensor:
+        t = torch.Tensor._make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype,
+                                                device="cpu", requires_grad=requires_grad)
+        t._spec, t._backend, t._handle = spec, backend, handle
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        backend = _backend_of(args, kwargs)
+        return backend.dispatch(func, args, kwargs or {})
+
+    # -- sharding --------------------------------------------------------------------------------
+    @property
+    def mesh(self) -> Any:
+        """The proc mesh (view) holding the shards."""
+        return self._backend.mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def spec(self) -> Spec:
+        return self._spec
+
+    def redistribute(self, placements: Mapping[str, Placement] | Sequence[Placement]) -> MeshTensor:
+        """The same global tensor with new placements (collectives run on the workers)."""
+        target = normalize(placements, self._spec.mesh.names, self.ndim, "redistribute")
+        return self._backend.redistribute(self, target)
+
+    # -- sync points -----------------------------------------------------------------------------
+    def full_tensor(self, timeout: float | None = None) -> torch.Tensor:
+        """The whole tensor as a plain torch.Tensor on the controller (runs everything pending)."""
+        return self._backend.fetch(self).get(timeout)
+
+    def item(self) -> Any:  # type: ignore[override]
+        return self.full_tensor().item()
+
+    def tolist(self) -> Any:  # type: ignore[override]
+        return self.full_tensor().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        return self.full_tensor().numpy()
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        body = repr(self.full_tensor())
+        return f"MeshTensor({body}, mesh={self._spec.mesh}, placements={self._spec.placement_str()})"
+
+    __str__ = __repr__  # type: ignore[assignment]
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise ShardingError("a MeshTensor cannot be pickled; call .full_tensor() to get its data, or pass it "
+                            "to a compiled function instead of an actor endpoint")
+
+
+def _backend_of(args: tuple, kwargs: dict | None) -> Backend:
+    for a in args:
+        if type(a) is MeshTensor:
+            return a._backend
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if type(b) is MeshTensor:
+                    return b._backend
+    for a in (kwargs or {}).values():
+        if type(a) is MeshTensor:
+            return a._backend
+    raise AssertionError("__torch_dispatch__ without a MeshTensor argument")
