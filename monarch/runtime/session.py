@@ -18,6 +18,7 @@ from monarch.runtime import codec
 from monarch.runtime.controller import controller
 from monarch.runtime.futures import CallState, Future
 from monarch.runtime.lower import lower
+from monarch.tensor.instr import Comm
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate
 from monarch.tensor.spec import AbstractMesh
@@ -35,6 +36,7 @@ class Session:
         self.tracer = Tracer(self.abstract, self)
         self.flushes = 0
         self.last: TracedGraph | None = None
+        self.collectives: list[str] = []  # kind[dim] of every collective shipped, in order
 
     # -- Backend ---------------------------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -65,6 +67,7 @@ class Session:
 
     def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: int = 0,
              sync: bool = False) -> Future[Any] | None:
+        self._count(programs)
         self.last = traced
         ctl = controller()
         call_id = ctl.next_call_id() if sync else 0
@@ -73,6 +76,10 @@ class Session:
         ctl.send_each(self.mesh._mesh.id, {r: codec.encode_frame([m]) for r, m in msgs.items()}, call_id, state)
         self.flushes += 1
         return Future(state, ctl, _fetched) if state is not None else None
+
+    def _count(self, programs: tuple[RankProgram, ...]) -> None:
+        names = self.abstract.names
+        self.collectives.extend(f"{i.kind}[{names[i.mdim]}]" for i in programs[0].instrs if isinstance(i, Comm))
 
     def synchronize(self, timeout: float | None = None) -> None:
         future = self.flush(sync=True)
@@ -90,7 +97,10 @@ _sessions: dict[tuple[int, Any], Session] = {}
 
 
 def session_of(procs: Any) -> Session:
-    """The Session of a ProcMesh view (one per view)."""
+    """The Session of a ProcMesh view (one per view), or of a LocalMesh."""
+    own = getattr(procs, "_session", None)
+    if own is not None:
+        return own
     key = (procs._mesh.id, procs._shape)
     s = _sessions.get(key)
     if s is None:

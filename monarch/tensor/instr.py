@@ -18,7 +18,7 @@ class Buf:
     id: int
 
     def __repr__(self) -> str:
-        return f"%{self.id}"
+        return f"%{self.id}" if self.id >= 0 else f"%t{-self.id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +31,7 @@ class Local:
 
     def __repr__(self) -> str:
         args = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
-        outs = ", ".join(f"%{o}" for o in self.outs)
+        outs = ", ".join(repr(Buf(o)) for o in self.outs)
         return f"{outs} = {self.op.removeprefix('aten::')}({', '.join(args)})"
 
 
@@ -57,7 +57,7 @@ class Comm:
         extra = {"all_gather": f"dim={self.dim}", "all_reduce": self.op,
                  "reduce_scatter": f"{self.op}, dim={self.dim}",
                  "all_to_all": f"split={self.dim}, cat={self.cat_dim}"}[self.kind]
-        return f"%{self.out} = {self.kind}(%{self.src}, {extra}, mdim={self.mdim})"
+        return f"{Buf(self.out)!r} = {self.kind}({Buf(self.src)!r}, {extra}, mdim={self.mdim})"
 
 
 
@@ -68,7 +68,7 @@ class Free:
     ids: tuple[int, ...]
 
     def __repr__(self) -> str:
-        return "free " + ", ".join(f"%{i}" for i in self.ids)
+        return "free " + ", ".join(repr(Buf(i)) for i in self.ids)
 
 
 Instr = Union[Local, Comm, Free]
