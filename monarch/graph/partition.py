@@ -35,8 +35,8 @@ def partition(traced: TracedGraph) -> tuple[RankProgram, ...]:
             free = Free(frees)
             for prog in programs:
                 prog.append(free)
-    released = tuple(i for i in traced.released if i not in _produced(traced))
-    unused = tuple(i for i in released if i not in _read(traced))
+    produced, read = _produced(traced), _read(traced)
+    unused = tuple(i for i in traced.released if i not in produced and i not in read)
     head = [Free(unused)] if unused else []
     return tuple(RankProgram(c, tuple(head + p)) for c, p in zip(coords, programs, strict=True))
 

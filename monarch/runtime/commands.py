@@ -65,11 +65,13 @@ class Forward:
 class RunProgram:
     """Run one rank program (tensor-engine instructions) for the mesh view `view`.
 
-    When `call_id` is set the worker replies once the program ran: with the value of buffer `fetch`
-    (0: none), or with the first error since the previous reply.
+    The program is the pickled instruction tuple `shared` (common to every rank) with `patches`
+    (index, instruction) applied. When `call_id` is set the worker replies once the program ran: with
+    the value of buffer `fetch` (0: none), or with the first error since the previous reply.
     """
     view: Shape
-    instrs: tuple[Any, ...]
+    shared: bytes
+    patches: tuple[tuple[int, Any], ...]
     call_id: int = 0
     fetch: int = 0
 

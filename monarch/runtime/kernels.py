@@ -51,12 +51,21 @@ def arange(start: float, step: float, first: int, length: int, dtype: torch.dtyp
         start + first * step).to(dtype)
 
 
-def rank_index(index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor filled with this rank's index along a mesh dim."""
-    return torch.full(shape, index, dtype=dtype)
+_LOCAL_FNS: dict[bytes, Callable[..., Any]] = {}
+
+
+def local_map(fn: bytes, *args: Any) -> Any:
+    """Run a user function (pickled by the controller) on this rank's pieces."""
+    f = _LOCAL_FNS.get(fn)
+    if f is None:
+        from monarch.runtime import codec
+        f = _LOCAL_FNS[fn] = codec.loads(fn)
+    out = f(*args)
+    return tuple(o.contiguous() for o in out) if isinstance(out, (tuple, list)) else out.contiguous()
 
 
 KERNELS: dict[str, Callable[..., Any]] = {
     "monarch::chunk": chunk, "monarch::partialize": partialize, "monarch::constant": constant,
-    "monarch::random": random, "monarch::arange": arange, "monarch::rank_index": rank_index,
+    "monarch::random": random, "monarch::arange": arange,
+    "monarch::local_map": local_map,
 }

@@ -37,7 +37,10 @@ class TensorService:
     def run(self, msg: RunProgram) -> tuple[bool, bytes]:
         self._view = msg.view
         self._coords, label = self._place(msg.view)
-        self.engine.run(msg.instrs, self._coords, label)
+        instrs = list(codec.loads(msg.shared))
+        for i, ins in msg.patches:
+            instrs[i] = ins
+        self.engine.run(tuple(instrs), self._coords, label)
         if not msg.call_id:
             return True, b""
         try:

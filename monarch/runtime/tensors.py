@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from monarch.errors import ShardingError
 from monarch.graph.partition import partition
 from monarch.graph.rules import Emit
+from monarch.runtime import codec
 from monarch.runtime.futures import Future
 from monarch.runtime.session import Session, session_of
 from monarch.tensor.instr import Buf, Local
@@ -198,3 +199,65 @@ def activate(procs: Any) -> Iterator[Any]:
 
 FACTORIES: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
     full, randn, rand, randint, arange, distribute_tensor)}
+
+
+def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | None],
+              out_placements: PlacementsArg | Sequence[PlacementsArg]) -> Callable[..., Any]:
+    """`fn` run on each rank's local pieces: MeshTensor arguments are redistributed to `in_placements`
+    (one entry per positional argument; None keeps a tensor as it is), and the local results form
+    MeshTensors placed as `out_placements` (one entry per output when fn returns a tuple)."""
+    blob = codec.dumps(fn)
+
+    def run(*args: Any) -> Any:
+        tensors = [a for a in args if isinstance(a, MeshTensor)]
+        if not tensors or len(in_placements) != len(args):
+            raise ShardingError(f"local_map({getattr(fn, '__name__', fn)}): give one in_placements entry per "
+                                f"argument ({len(args)}), and at least one MeshTensor argument")
+        s = tensors[0]._backend
+        assert isinstance(s, Session)
+        moved = [a.redistribute(p) if isinstance(a, MeshTensor) and p is not None else a
+                 for a, p in zip(args, in_placements, strict=True)]
+        ins = [a for a in moved if isinstance(a, MeshTensor)]
+        multi = isinstance(out_placements, (list, tuple)) and bool(out_placements) and \
+            not isinstance(out_placements[0], Placement)
+        outs = list(out_placements) if multi else [out_placements]  # type: ignore[arg-type, list-item]
+        specs = _local_map_specs(fn, moved, outs, s)
+        srcs = [s.tracer._moved(t, t._spec) for t in ins]
+        it = iter([Buf(i) for _, i in srcs])
+        local_args = tuple(next(it) if isinstance(a, MeshTensor) else a for a in moved)
+
+        def make(ctx: Emit) -> list[Local]:
+            return [Local("monarch::local_map", (blob, *local_args), {}, ctx.out_ids)]
+        node, ids = s.tracer.node(fn, tuple(n for n, _ in srcs), specs, make)
+        results = [s.tracer.wrap(spec, node, i) for spec, i in zip(specs, ids, strict=True)]
+        return tuple(results) if multi else results[0]
+    return run
+
+
+def _local_map_specs(fn: Callable[..., Any], args: list[Any], outs: list[PlacementsArg], s: Session) -> tuple[Spec, ...]:
+    """Global output specs, from running fn on meta tensors of every rank's local shapes."""
+    per_rank = []
+    for coords in s.abstract.coords():
+        metas = [torch.empty(a._spec.local_shape(coords), dtype=a.dtype, device="meta")
+                 if isinstance(a, MeshTensor) else a for a in args]
+        r = fn(*metas)
+        per_rank.append(list(r) if isinstance(r, (tuple, list)) else [r])
+    if len(per_rank[0]) != len(outs):
+        raise ShardingError(f"local_map: fn returns {len(per_rank[0])} tensors but out_placements has {len(outs)}")
+    specs = []
+    for k, placements in enumerate(outs):
+        local = [r[k] for r in per_rank]
+        ps = normalize(placements, s.abstract.names, local[0].ndim, "local_map out_placements")
+        shape = list(local[0].shape)
+        for d in {p.dim for p in ps if isinstance(p, Shard)}:
+            shape[d] = sum(m.shape[d] for c, m in zip(s.abstract.coords(), local, strict=True)
+                           if all(ci == 0 for ci, p in zip(c, ps, strict=True) if not p.is_shard(d)))
+        meta = torch.empty(shape, dtype=local[0].dtype, device="meta")
+        spec = Spec(tuple(shape), tuple(meta.stride()), meta.dtype, ps, s.abstract)
+        for c, m in zip(s.abstract.coords(), local, strict=True):
+            if spec.local_shape(c) != tuple(m.shape):
+                raise ShardingError(f"local_map: rank {c} returned shape {tuple(m.shape)}, but output {k} placed "
+                                    f"{ps} of global shape {tuple(shape)} needs {spec.local_shape(c)} there "
+                                    "(pieces must be torch.chunk pieces)")
+        specs.append(spec)
+    return tuple(specs)

@@ -17,6 +17,9 @@ class Buf:
     """A tensor argument: the local buffer with this id."""
     id: int
 
+    def __reduce__(self) -> tuple:
+        return (Buf, (self.id,))
+
     def __repr__(self) -> str:
         return f"%{self.id}" if self.id >= 0 else f"%t{-self.id}"
 
@@ -28,6 +31,9 @@ class Local:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     outs: tuple[int, ...]
+
+    def __reduce__(self) -> tuple:
+        return (Local, (self.op, self.args, self.kwargs, self.outs))
 
     def __repr__(self) -> str:
         args = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
@@ -66,6 +72,9 @@ class Comm:
 class Free:
     """Drop these buffers (their last use has run)."""
     ids: tuple[int, ...]
+
+    def __reduce__(self) -> tuple:
+        return (Free, (self.ids,))
 
     def __repr__(self) -> str:
         return "free " + ", ".join(repr(Buf(i)) for i in self.ids)
