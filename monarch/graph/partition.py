@@ -1,14 +1,13 @@
 """Partitioning: a TracedGraph becomes one RankProgram per mesh point, with frees after last uses.
 
 Every node's emitter writes its instructions for each mesh coordinate (most ops emit one shared
-instruction for all ranks). Liveness is computed on the node DAG with networkx: a buffer that no
-MeshTensor holds any more is freed right after the last node that reads it.
+instruction for all ranks). A buffer that no MeshTensor holds any more is freed right after the last
+node that reads it.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-import networkx as nx
 import torch.fx as fx
 
 from monarch.graph.program import RankProgram
@@ -62,31 +61,21 @@ def _outs(ins: Instr) -> tuple[int, ...]:
     return ins.outs if isinstance(ins, Local) else (ins.out,) if hasattr(ins, "out") else ()
 
 
-def dag(traced: TracedGraph) -> nx.DiGraph:
-    """Nodes of the traced graph with an edge from each producer to each reader."""
-    g = nx.DiGraph()
-    for node in traced.graph.nodes:
-        g.add_node(node)
-        for src in node.all_input_nodes:
-            g.add_edge(src, node)
-    return g
-
-
 def dead_after(traced: TracedGraph) -> dict[fx.Node, tuple[int, ...]]:
-    """For each node, the buffers that die once it has run (no later reader, no MeshTensor holding them)."""
-    g = dag(traced)
-    order = {n: i for i, n in enumerate(nx.topological_sort(g))}
+    """For each node, the buffers that die once it has run (no later reader, no MeshTensor holding them).
+
+    fx keeps nodes in a topological order and each node's readers in `users`, so the last reader of a
+    buffer is its user with the highest position.
+    """
+    order = {n: i for i, n in enumerate(traced.graph.nodes)}
     released = set(traced.released)
     dead: dict[fx.Node, list[int]] = {}
-    for node in g.nodes:
+    for node in traced.graph.nodes:
         ids = node.meta.get("ids", ())
         mortal = [i for i in ids if i not in traced.live and (node.op != "placeholder" or i in released)]
-        if not mortal:
+        if not mortal or (node.op == "placeholder" and not node.users):
             continue
-        readers = list(g.successors(node))
-        last = max(readers, key=order.__getitem__) if readers else node
-        if node.op == "placeholder" and not readers:
-            continue
+        last = max(node.users, key=order.__getitem__) if node.users else node
         dead.setdefault(last, []).extend(mortal)
     return {n: tuple(ids) for n, ids in dead.items()}
 

@@ -1,1 +1,155 @@
-"""Placeholder."""
+"""Rules for neural-network ops: softmax and log_softmax, layer norm, embedding, nll_loss (and their
+backward ops); cross_entropy reaches dispatch as _log_softmax + nll_loss_forward.
+
+Rows stay sharded along dims the op does not mix (batch dims); parameter gradients summed over a
+sharded batch become Partial(sum). A vocab-sharded embedding looks up its own rows and masks the rest.
+"""
+from __future__ import annotations
+
+import torch
+
+from monarch.graph.rules import Emit, OpCall, R, Strategy, register_rule
+from monarch.tensor.instr import Buf, Local
+from monarch.tensor.placement import Partial, Placement, Shard
+
+aten = torch.ops.aten
+P = Partial("sum")
+NONE, MEAN, SUM = 0, 1, 2  # nll_loss reductions
+
+
+def _rest(call: OpCall, first: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """`first` for the leading tensor inputs, R for the others (optional weights and biases)."""
+    return first + (R,) * (len(call.ins) - len(first))
+
+
+# -- softmax ----------------------------------------------------------------------------------------
+@register_rule(aten._softmax.default, aten._log_softmax.default)
+def softmax(call: OpCall, mdim: int) -> list[Strategy]:
+    x = call.ins[0]
+    dim = call.arg(1, "dim") % max(x.ndim, 1)
+    return [Strategy((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d != dim]
+
+
+@register_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def softmax_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    """Any dim but the softmax dim; linear in grad_output, so its Partial passes through."""
+    y = call.ins[1]
+    dim = call.arg(2, "dim") % max(y.ndim, 1)
+    strategies = [Strategy((Shard(d), Shard(d)), (Shard(d),)) for d in range(y.ndim) if d != dim]
+    return strategies + [Strategy((P, R), (P,))]
+
+
+# -- layer norm -------------------------------------------------------------------------------------
+def _batch_dims(call: OpCall, x: int, shape_arg: int) -> range:
+    """Leading dims of input `x` that the normalization does not cover."""
+    return range(call.ins[x].ndim - len(call.arg(shape_arg, "normalized_shape")))
+
+
+@register_rule(aten.native_layer_norm.default)
+def layer_norm(call: OpCall, mdim: int) -> list[Strategy]:
+    return [Strategy(_rest(call, (Shard(d),)), (Shard(d),) * 3) for d in _batch_dims(call, 0, 1)]
+
+
+@register_rule(aten.native_layer_norm_backward.default)
+def layer_norm_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    """grad_input follows the batch shard; grad_weight and grad_bias sum over the batch: Partial."""
+    mask = call.arg(7, "output_mask")
+    strategies = []
+    for d in _batch_dims(call, 1, 2):
+        outs = tuple(p for p, on in zip((Shard(d), P, P), mask, strict=True) if on)
+        strategies.append(Strategy(_rest(call, (Shard(d),) * 4), outs))
+    return strategies + [Strategy(_rest(call, (P,)), (P,) * len(call.outs))]
+
+
+# -- embedding --------------------------------------------------------------------------------------
+@register_rule(aten.embedding.default)
+def embedding(call: OpCall, mdim: int) -> list[Strategy]:
+    """Ids sharded: output rows too. Weight sharded on the feature dim: the output's last dim. Weight
+    sharded on the vocab: each rank looks up the ids it holds, zeros elsewhere: Partial(sum)."""
+    ids, out = call.ins[1], call.outs[0]
+    strategies = [Strategy((R, Shard(k)), (Shard(k),)) for k in range(ids.ndim)]
+    return strategies + [Strategy((Shard(1), R), (Shard(out.ndim - 1),)), Strategy((P, R), (P,)),
+                         Strategy((Shard(0), R), (P,), emit_vocab_embedding)]
+
+
+def emit_vocab_embedding(ctx: Emit) -> list[Local]:
+    """Look up ids in this rank's vocab rows [start, start+n); ids outside get zero rows. A rank with no
+    rows looks up a one-row zero table instead (every rank makes it when any rank needs it)."""
+    w = ctx.ins[0]
+    start, n = w.bounds(ctx.coords)[0]
+    shifted, clamped, outside, wide, table, found = (ctx.tmp() for _ in range(6))
+    instrs = [Local("aten::sub.Scalar", (ctx.args[1], start), {}, (shifted.id,)),
+              Local("aten::clamp", (shifted, 0, max(n - 1, 0)), {}, (clamped.id,)),
+              Local("aten::ne.Tensor", (shifted, clamped), {}, (outside.id,)),
+              Local("aten::unsqueeze", (outside, -1), {}, (wide.id,))]
+    weight = ctx.args[0]
+    if any(w.local_shape(c)[0] == 0 for c in w.mesh.coords()):
+        instrs.append(Local("aten::new_zeros", (weight, [1, w.local_shape(ctx.coords)[1]]), {}, (table.id,)))
+        weight = weight if n else table
+    return instrs + [Local("aten::embedding", (weight, clamped), {}, (found.id,)),
+                     Local("aten::masked_fill.Scalar", (found, wide, 0), {}, ctx.out_ids)]
+
+
+@register_rule(aten.embedding_dense_backward.default)
+def embedding_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    """Batch-sharded ids and grads give a Partial weight grad (unless scaled by global id counts)."""
+    grad, ids = call.ins
+    strategies = [Strategy((Shard(grad.ndim - 1), R), (Shard(1),)), Strategy((P, R), (P,))]
+    if not call.arg(4, "scale_grad_by_freq"):
+        strategies += [Strategy((Shard(k), Shard(k)), (P,)) for k in range(ids.ndim)]
+    return strategies
+
+
+# -- nll_loss ---------------------------------------------------------------------------------------
+@register_rule(aten.nll_loss_forward.default)
+def nll_loss(call: OpCall, mdim: int) -> list[Strategy]:
+    """Batch-sharded: reduction none keeps the shard, sum gives Partial; mean needs the global
+    total_weight, so the target is replicated and each rank divides its own sum by it. The loss is
+    linear in the input, so a Partial input gives a Partial loss."""
+    x, reduction = call.ins[0], call.arg(3, "reduction")
+    strategies = [Strategy(_rest(call, (P,)), (P, R))]
+    if x.ndim == 2:
+        batch = {NONE: Strategy(_rest(call, (Shard(0), Shard(0))), (Shard(0), R)),
+                 SUM: Strategy(_rest(call, (Shard(0), Shard(0))), (P, P)),
+                 MEAN: Strategy(_rest(call, (Shard(0), R)), (P, R), emit_nll_mean)}
+        strategies.append(batch[reduction])
+    return strategies
+
+
+def emit_nll_mean(ctx: Emit) -> list[Local]:
+    """This rank's summed loss over its rows, divided by the total weight of the whole target."""
+    x, target = ctx.ins[0], ctx.args[1]
+    weight, ignore = ctx.call.arg(2, "weight"), ctx.call.arg(4, "ignore_index")
+    start, n = x.bounds(ctx.coords)[0]
+    mine, summed, own_weight, total = ctx.tmp(), ctx.tmp(), ctx.tmp(), Buf(ctx.out_ids[1])
+    return [Local("aten::slice.Tensor", (target, 0, start, start + n), {}, (mine.id,)),
+            Local("aten::nll_loss_forward", (ctx.args[0], mine, ctx.args[2], SUM, ignore), {},
+                  (summed.id, own_weight.id)),
+            *_total_weight(ctx, target, ctx.args[2] if weight is not None else None, ignore, total),
+            Local("aten::div.Tensor", (summed, total), {}, (ctx.out_ids[0],))]
+
+
+def _total_weight(ctx: Emit, target: Buf, weight: Buf | None, ignore: int, out: Buf) -> list[Local]:
+    """sum of weight[t] over the targets t that are not ignore_index (their count without weights)."""
+    counted = ctx.tmp()
+    instrs = [Local("aten::ne.Scalar", (target, ignore), {}, (counted.id,))]
+    if weight is not None:
+        safe, picked, kept = ctx.tmp(), ctx.tmp(), ctx.tmp()
+        instrs += [Local("aten::mul.Tensor", (target, counted), {}, (safe.id,)),
+                   Local("aten::index_select", (weight, 0, safe), {}, (picked.id,)),
+                   Local("aten::mul.Tensor", (picked, counted), {}, (kept.id,))]
+        counted = kept
+    return instrs + [Local("aten::sum.default", (counted,), {"dtype": ctx.outs[1].dtype}, (out.id,))]
+
+
+@register_rule(aten.nll_loss_backward.default)
+def nll_loss_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    """Rows follow the batch shard: grad_output too for reduction none, else it is a replicated
+    scalar; only mean reads total_weight (the last input), which must then be the global one."""
+    x, reduction, tw = call.ins[1], call.arg(4, "reduction"), call.ins[-1]
+    total = R if reduction == MEAN else tw.placements[mdim]
+    strategies = [Strategy(_rest(call, (P,))[:-1] + (total,), (P,))]
+    if x.ndim == 2:
+        g = Shard(0) if reduction == NONE else R
+        strategies.append(Strategy(_rest(call, (g, Shard(0), Shard(0)))[:-1] + (total,), (Shard(0),)))
+    return strategies

@@ -219,6 +219,8 @@ def _key(obj: Any, ins: list[MeshTensor], tracer: Tracer) -> Any:
         return (t, *(_key(o, ins, tracer) for o in obj))
     if t is dict:
         return tuple((k, _key(v, ins, tracer)) for k, v in obj.items())
+    if t is torch.Tensor and obj.ndim == 0 and obj.device.type == "cpu":  # a scalar, e.g. from torch.where(c, x, 0.)
+        return (t, obj.dtype, obj.item())
     if isinstance(obj, torch.Tensor):
         raise UnsupportedOpError("a plain torch.Tensor met a MeshTensor in one op; distribute it first with "
                                  "monarch.distribute_tensor(t, mesh, placements)")
@@ -251,9 +253,17 @@ def _structure(func: Any, result: Any) -> tuple[list[torch.Tensor], Callable[[li
     """Flat tensor outputs and a function rebuilding the op's return value from MeshTensors."""
     if isinstance(result, torch.Tensor):
         return [result], operator.itemgetter(0)
-    if isinstance(result, (tuple, list)) and result and all(isinstance(r, torch.Tensor) for r in result):
-        kind = type(result)
-        return list(result), kind
+    if isinstance(result, (tuple, list)) and any(isinstance(r, torch.Tensor) for r in result) and all(
+            isinstance(r, torch.Tensor) or r is None for r in result):
+        kind, n = type(result), len(result)
+        where = [i for i, r in enumerate(result) if r is not None]  # None: an undefined grad
+
+        def build(outs: list[Any]) -> Any:
+            full: list[Any] = [None] * n
+            for i, o in zip(where, outs, strict=True):
+                full[i] = o
+            return kind(full)
+        return [result[i] for i in where], build
     raise UnsupportedOpError(f"{func.name()} returns {type(result).__name__}, not tensors; monarch cannot run it on "
                              "a MeshTensor yet; call .full_tensor() first")
 

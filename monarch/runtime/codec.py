@@ -106,5 +106,10 @@ def dumps(obj: Any) -> bytes:
     return cloudpickle.dumps(obj, protocol=5)
 
 
+def dumps_data(obj: Any) -> bytes:
+    """Pickle monarch's own data (instructions, tensors): no code, so plain pickle always suffices."""
+    return pickle.dumps(obj, protocol=5)
+
+
 def loads(data: bytes) -> Any:
     return pickle.loads(data)

@@ -15,7 +15,7 @@ from monarch.runtime import codec
 from monarch.runtime.collectives import RUN
 from monarch.runtime.engine import Engine
 from monarch.runtime.futures import CallState, Future
-from monarch.runtime.session import Session, _fetched
+from monarch.runtime.session import Fetch, Session, _synced
 from monarch.runtime.shape import MeshView, Shape
 from monarch.tensor.instr import Comm
 
@@ -41,7 +41,7 @@ class ReferenceSession(Session):
         super().__init__(mesh)
         self.engines = [Engine(r) for r in range(len(mesh._shape))]
 
-    def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: int = 0,
+    def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: Fetch | None = None,
              sync: bool = False) -> Future[Any] | None:
         self._count(programs)
         self.last = traced
@@ -50,12 +50,13 @@ class ReferenceSession(Session):
         if not sync:
             return None
         state = CallState(self.view, "reference program")
+        sources = fetch.sources() if fetch else {}
         for r, eng in enumerate(self.engines):
             try:
-                state.deliver(r, True, codec.dumps(eng.fetch(fetch if r == 0 else 0)))
+                state.deliver(r, True, codec.dumps_data(eng.fetch(sources.get(r, 0))))
             except Exception as e:  # noqa: BLE001
                 state.deliver(r, False, e)
-        return Future(state, None, _fetched)  # type: ignore[arg-type]
+        return Future(state, None, fetch.assemble if fetch else _synced)  # type: ignore[arg-type]
 
     def _labels(self) -> list[str]:
         return [self.view.point(i).label() for i in range(len(self.view))]

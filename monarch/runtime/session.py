@@ -2,10 +2,12 @@
 
 A Session owns the view's tracer. Flushing closes the pending graph, partitions it, lowers it and
 sends every worker its program in one frame; a synchronising flush also collects one reply per
-rank (the fetched value from the first, errors from any), raised in rank order.
+rank (a piece of the fetched tensor from the ranks holding distinct pieces, errors from any), and
+errors are raised in rank order.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,8 +22,8 @@ from monarch.runtime.futures import CallState, Future
 from monarch.runtime.lower import lower
 from monarch.tensor.instr import Comm
 from monarch.tensor.meshtensor import MeshTensor
-from monarch.tensor.placement import Placement, Replicate
-from monarch.tensor.spec import AbstractMesh
+from monarch.tensor.placement import Placement, Replicate, Shard
+from monarch.tensor.spec import AbstractMesh, Spec
 
 aten = torch.ops.aten
 
@@ -54,28 +56,29 @@ class Session:
         return self.tracer.wrap(node.meta["specs"][0], node, id)
 
     def fetch(self, t: MeshTensor) -> Future[torch.Tensor]:
-        full = self.redistribute(t, (Replicate(),) * self.abstract.ndim)
-        future = self.flush(fetch=full._handle.id, sync=True)
+        """Partial dims are reduced on the workers; each distinct shard then comes to the controller."""
+        src = self.redistribute(t, tuple(Replicate() if p.is_partial() else p for p in t._spec.placements))
+        future = self.flush(Fetch.of(src), sync=True)
         assert future is not None
         return future
 
     # -- shipping --------------------------------------------------------------------------------
-    def flush(self, fetch: int = 0, sync: bool = False) -> Future[Any] | None:
-        """Ship the pending graph; with `sync`, a Future of the fetched value (None when fetch is 0)."""
+    def flush(self, fetch: Fetch | None = None, sync: bool = False) -> Future[Any] | None:
+        """Ship the pending graph; with `sync`, a Future of the fetched tensor (None without `fetch`)."""
         traced = self.tracer.take()
         return self.ship(traced, partition(traced), fetch, sync)
 
-    def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: int = 0,
+    def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: Fetch | None = None,
              sync: bool = False) -> Future[Any] | None:
         self._count(programs)
         self.last = traced
         ctl = controller()
         call_id = ctl.next_call_id() if sync else 0
-        msgs = lower(programs, self.view, call_id, fetch)
+        msgs = lower(programs, self.view, call_id, fetch.sources() if fetch else None)
         state = CallState(self.view, f"tensor program on {self.mesh!r}") if sync else None
         ctl.send_each(self.mesh._mesh.id, {r: codec.encode_frame([m]) for r, m in msgs.items()}, call_id, state)
         self.flushes += 1
-        return Future(state, ctl, _fetched) if state is not None else None
+        return Future(state, ctl, fetch.assemble if fetch else _synced) if state is not None else None
 
     def _count(self, programs: tuple[RankProgram, ...]) -> None:
         names = self.abstract.names
@@ -87,10 +90,38 @@ class Session:
         future.get(timeout)
 
 
-def _fetched(state: CallState) -> Any:
-    """The first rank's value, after raising the error of the lowest failing rank."""
-    values = [state.value(i) for i in range(len(state.raw))]
-    return values[0]
+def _synced(state: CallState) -> None:
+    """Raise the error of the lowest failing rank, if any."""
+    for i in range(len(state.raw)):
+        state.value(i)
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Buffer `id` comes to the controller: one rank per distinct piece sends it, then they are joined."""
+    id: int
+    spec: Spec
+    holders: tuple[int, ...]  # row-major indices of the ranks that send a piece
+
+    @staticmethod
+    def of(t: MeshTensor) -> Fetch:
+        spec = t._spec
+        kept = [d for d, p in enumerate(spec.placements) if not isinstance(p, Shard)]
+        holders = tuple(i for i, c in enumerate(spec.mesh.coords()) if all(c[d] == 0 for d in kept))
+        return Fetch(t._handle.id, spec, holders)
+
+    def sources(self) -> dict[int, int]:
+        return dict.fromkeys(self.holders, self.id)
+
+    def assemble(self, state: CallState) -> torch.Tensor:
+        values = [state.value(i) for i in range(len(state.raw))]
+        if len(self.holders) == 1:
+            return values[self.holders[0]]
+        out = torch.empty(self.spec.shape, dtype=self.spec.dtype)
+        coords = list(self.spec.mesh.coords())
+        for i in self.holders:
+            out[tuple(slice(s, s + n) for s, n in self.spec.bounds(coords[i]))] = values[i]
+        return out
 
 
 _sessions: dict[tuple[int, Any], Session] = {}

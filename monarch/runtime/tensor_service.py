@@ -47,4 +47,4 @@ class TensorService:
             value: Any = self.engine.fetch(msg.fetch)
         except Exception as e:  # noqa: BLE001 - a remote error is the reply
             return False, codec.dumps(e)
-        return True, codec.dumps(value)
+        return True, codec.dumps_data(value)
