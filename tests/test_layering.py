@@ -19,7 +19,8 @@ PACKAGE = ROOT / "monarch"
 MAX_LINES = 600
 WORKER_SIDE = ("monarch.runtime.commands", "monarch.runtime.codec", "monarch.runtime.worker",
                "monarch.runtime.bootstrap", "monarch.runtime.hosting", "monarch.runtime.shape",
-               "monarch.runtime.transport")
+               "monarch.runtime.transport", "monarch.runtime.engine", "monarch.runtime.tensor_service",
+               "monarch.runtime.kernels", "monarch.runtime.collectives")
 TENSOR_MAY_IMPORT = ("monarch.errors", "monarch.config", "monarch.tensor")
 
 

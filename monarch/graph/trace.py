@@ -20,7 +20,7 @@ from monarch.errors import ShapeError, ShardingError, UnsupportedOpError
 from monarch.graph.propagate import Decision, decide
 from monarch.graph.redistribute import Plan, emit_step, plan
 from monarch.graph.rules import Emit, OpCall
-from monarch.tensor.instr import Buf, Instr
+from monarch.tensor.instr import Buf, Instr, Local
 from monarch.tensor.meshtensor import Backend, MeshTensor
 from monarch.tensor.placement import Placements, Replicate
 from monarch.tensor.spec import AbstractMesh, Spec, spec_of
@@ -133,6 +133,8 @@ class Tracer:
             key, entry = None, None
         except ShardingError as e:
             raise ShardingError(f"{func.name()}: {e}") from None
+        except _PlainTensor:
+            return self.record(func, *self._constants((args, kwargs)))
         if entry is None:
             entry = self._analyze(func, args, kwargs, ins)
             if key is not None:
@@ -148,6 +150,20 @@ class Tracer:
         if entry.inplace:
             return _rebind(args[0], outs[0])
         return entry.build(outs)
+
+    def _constants(self, obj: Any) -> Any:
+        """`obj` with every plain tensor replaced by a replicated MeshTensor of its data (sent to each rank)."""
+        t = type(obj)
+        if t is tuple or t is list:
+            return t(self._constants(o) for o in obj)
+        if t is dict:
+            return {k: self._constants(v) for k, v in obj.items()}
+        if isinstance(obj, torch.Tensor) and t is not MeshTensor:
+            data = obj.detach().clone()
+            spec = spec_of(data, (Replicate(),) * self.mesh.ndim, self.mesh)
+            node, ids = self.node(constant, (), (spec,), lambda ctx: [Local("monarch::constant", (data,), {}, ctx.out_ids)])
+            return self.wrap(spec, node, ids[0])
+        return obj
 
     def _moved(self, t: MeshTensor, want: Spec) -> tuple[fx.Node, int]:
         """The node and buffer holding `t` with `want`'s placements (redistributed when they differ)."""
@@ -186,6 +202,15 @@ class Tracer:
         return traced
 
 
+class _PlainTensor(Exception):
+    """A plain torch.Tensor argument: it becomes a replicated constant first."""
+
+
+def constant(x: Any) -> Any:
+    """fx target of a node holding data shipped from the controller."""
+    raise AssertionError("constant nodes are partitioned, never called")
+
+
 def redistribute(x: Any) -> Any:
     """fx target of a redistribution node (the plan is in the node's meta)."""
     raise AssertionError("redistribute nodes are partitioned, never called")
@@ -222,8 +247,7 @@ def _key(obj: Any, ins: list[MeshTensor], tracer: Tracer) -> Any:
     if t is torch.Tensor and obj.ndim == 0 and obj.device.type == "cpu":  # a scalar, e.g. from torch.where(c, x, 0.)
         return (t, obj.dtype, obj.item())
     if isinstance(obj, torch.Tensor):
-        raise UnsupportedOpError("a plain torch.Tensor met a MeshTensor in one op; distribute it first with "
-                                 "monarch.distribute_tensor(t, mesh, placements)")
+        raise _PlainTensor()
     if isinstance(obj, PLAIN):
         return obj
     raise TypeError(f"unhashable {t.__name__}")
