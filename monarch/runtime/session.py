@@ -7,6 +7,7 @@ errors are raised in rank order.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,6 @@ from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
 from monarch.tensor.spec import AbstractMesh, Spec
 
-aten = torch.ops.aten
-
 
 class Session:
     """Backend of the MeshTensors of one proc mesh view."""
@@ -39,13 +38,14 @@ class Session:
         self.flushes = 0
         self.last: TracedGraph | None = None
         self.collectives: list[str] = []  # kind[dim] of every collective shipped, in order
+        self.flush_ops = config.flush_ops()
 
     # -- Backend ---------------------------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if func is aten._local_scalar_dense.default:
-            return self.fetch(args[0]).get().item()
+        if not _returns_tensors(func):  # item(), bool(t), torch.equal: a sync point, run on fetched data
+            return func(*_on_controller(args), **_on_controller(kwargs))
         out = self.tracer.record(func, args, kwargs)
-        if self.tracer.n_ops >= config.flush_ops():
+        if self.tracer.n_ops >= self.flush_ops:
             self.flush()
         return out
 
@@ -88,6 +88,22 @@ class Session:
         future = self.flush(sync=True)
         assert future is not None
         future.get(timeout)
+
+
+@functools.cache
+def _returns_tensors(func: Any) -> bool:
+    return any("Tensor" in str(r.type) for r in func._schema.returns)
+
+
+def _on_controller(obj: Any) -> Any:
+    """`obj` with every MeshTensor replaced by its full data."""
+    if isinstance(obj, MeshTensor):
+        return obj.full_tensor()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_controller(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _on_controller(v) for k, v in obj.items()}
+    return obj
 
 
 def _synced(state: CallState) -> None:

@@ -86,6 +86,9 @@ class MeshTensor(torch.Tensor):
 
     __str__ = __repr__  # type: ignore[assignment]
 
+    def __format__(self, spec: str) -> str:
+        return self.full_tensor().__format__(spec)
+
     def __reduce_ex__(self, proto: Any) -> Any:
         raise ShardingError("a MeshTensor cannot be pickled; call .full_tensor() to get its data, or pass it "
                             "to a compiled function instead of an actor endpoint")
