@@ -17,10 +17,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "MeshTensor": "monarch.tensor", "Shard": "monarch.tensor", "Replicate": "monarch.tensor",
     "Partial": "monarch.tensor", "Placement": "monarch.tensor",
-    "register_rule": "monarch.graph.rules",
+    "register_rule": "monarch.graph.rules", "manual_seed": "monarch.tensor.random",
     **{name: "monarch.runtime.tensors" for name in (
         "distribute_tensor", "randn", "rand", "randint", "zeros", "ones", "full", "empty", "arange",
-        "manual_seed", "fetch", "synchronize", "explain", "local_map")},
+        "fetch", "synchronize", "explain", "local_map")},
 }
 
 __all__ = [

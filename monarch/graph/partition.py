@@ -44,7 +44,7 @@ def _emit(node: fx.Node, coords: tuple[int, ...]) -> list[Instr]:
     temps = _temps()
     m = node.meta
     ctx = Emit(m["call"], m["in_specs"], m["specs"], coords, m["local_args"], m["local_kwargs"], m["ids"],
-               lambda: next(temps))
+               lambda: next(temps), m.get("seed", 0))
     instrs = m["emit"](ctx)
     used = [i for ins in instrs for i in _outs(ins) if i < 0]
     return instrs + [Free(tuple(sorted(set(used))))] if used else instrs

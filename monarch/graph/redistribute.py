@@ -1,9 +1,9 @@
 """Redistribution planned as data: the steps that turn one placement tuple into another, and their cost.
 
 Per mesh dim: S->R all_gather, P->R all_reduce, P->S reduce_scatter, S(i)->S(j) all_to_all, R->S a
-local chunk, R->P a local "keep on the first rank, zeros elsewhere". Shards nest in mesh-dim order, so
-un-sharding runs from the last mesh dim to the first and sharding from the first to the last; a mesh
-dim whose shard sits inside one being undone is undone and redone too.
+local chunk, R->P a local "keep on the first rank, the reduction's identity elsewhere". Shards nest in
+mesh-dim order, so un-sharding runs from the last mesh dim to the first and sharding from the first to
+the last; a mesh dim whose shard sits inside one being undone is undone and redone too.
 """
 from __future__ import annotations
 
@@ -132,7 +132,9 @@ def emit_step(step: Step, coords: tuple[int, ...], src: int, out: int) -> Local 
         start0, _ = step.before.bounds(coords)[p.dim]
         return Local("monarch::chunk", (Buf(src), p.dim, start - start0, n), {}, (out,))
     if step.kind == "partialize":
-        return Local("monarch::partialize", (Buf(src), coords[d] == 0), {}, (out,))
+        p = step.after.placements[d]
+        assert isinstance(p, Partial)
+        return Local("monarch::partialize", (Buf(src), coords[d] == 0, p.op), {}, (out,))
     shapes = tuple(step.before.local_shape(coords[:d] + (k,) + coords[d + 1:])
                    for k in range(step.before.mesh.sizes[d]))
     before, after = step.before.placements[d], step.after.placements[d]

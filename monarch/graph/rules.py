@@ -52,6 +52,7 @@ class Emit:
     kwargs: dict[str, Any]
     out_ids: tuple[int, ...]
     fresh: Callable[[], int]
+    seed: int = 0            # drawn when a random op was recorded (monarch.manual_seed)
 
     def default(self) -> list[Local]:
         return [Local(op_name(self.call.op), self.args, self.kwargs, self.out_ids)]

@@ -7,6 +7,8 @@ all ranks, so they do not depend on the placement. `empty` variants fill zeros, 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from monarch.graph.rules import Emit, OpCall, R, Strategy, register_rule
@@ -16,7 +18,8 @@ from monarch.tensor.placement import Placement, Shard
 
 aten = torch.ops.aten
 
-LIKE = sorted([aten.empty_like.default, aten.full_like.default, aten.ones_like.default, aten.zeros_like.default], key=str)
+LIKE = sorted([aten.empty_like.default, aten.full_like.default, aten.ones_like.default, aten.zeros_like.default],
+              key=str)
 NEW = sorted([aten.new_empty.default, aten.new_full.default, aten.new_ones.default, aten.new_zeros.default], key=str)
 RANDOM_LIKE = {aten.rand_like.default: "rand", aten.randn_like.default: "randn",
                aten.randint_like.default: "randint", aten.randint_like.low_dtype: "randint"}
@@ -63,11 +66,10 @@ def random_like(call: OpCall, mdim: int) -> list[Strategy]:
 def _random_emit(ctx: Emit) -> list[Local]:
     """This rank's piece of the global random tensor; the seed is the same on every rank."""
     out, call = ctx.outs[0], ctx.call
-    kwargs = {"dtype": out.dtype}
+    kwargs: dict[str, Any] = {"dtype": out.dtype}
     if RANDOM_LIKE[call.op] == "randint":
         low, high = (call.args[1], call.args[2]) if call.op == aten.randint_like.low_dtype else (0, call.args[1])
         kwargs.update(low=low, high=high)
-    seed = (torch.initial_seed() * 1_000_003 + ctx.out_ids[0]) % (1 << 63)
+    seed = ctx.seed
     return [Local("monarch::random", (RANDOM_LIKE[call.op], out.shape, out.bounds(ctx.coords), seed, kwargs), {},
                   ctx.out_ids)]
-

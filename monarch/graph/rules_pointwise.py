@@ -36,7 +36,8 @@ BINARY = sorted([
 TERNARY = sorted(["addcdiv", "addcmul", "where"])
 # ops whose output is linear in some inputs: op name -> which input patterns may be Partial together
 LINEAR_ALL = {"neg", "positive", "clone", "alias", "detach", "add", "sub", "zero"}
-LINEAR_ONE = {"mul", "div", "true_divide"}  # linear in each input separately, the other replicated
+# linear in each listed input separately, the others replicated (a quotient is not linear in its divisor)
+LINEAR_ONE = {"mul": (0, 1), "div": (0,), "true_divide": (0,)}
 EXTRA_TAGGED = {"_to_copy", "clone", "copy", "fill", "zero", "alias", "detach", "neg", "positive"}
 
 
@@ -74,7 +75,7 @@ def pointwise(call: OpCall, mdim: int) -> list[Strategy]:
     if base in LINEAR_ALL and _scalar_free(call):
         strategies.append(Strategy((P,) * n_in, (P,) * n_out))
     elif base in LINEAR_ONE:
-        for i in range(n_in):
+        for i in LINEAR_ONE[base][:n_in]:
             strategies.append(Strategy(tuple(P if j == i else R for j in range(n_in)), (P,) * n_out))
     return strategies
 

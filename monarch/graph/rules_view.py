@@ -16,6 +16,7 @@ import torch
 from monarch.graph.rules import Emit, Emitter, OpCall, R, Strategy, op_name, register_rule
 from monarch.tensor.instr import Local
 from monarch.tensor.placement import Shard, local_bounds
+from monarch.tensor.spec import Spec
 
 aten = torch.ops.aten
 Range = tuple[int, int]  # (start, length) of a piece along one dim
@@ -30,22 +31,35 @@ DROPPING = sorted([aten.select.int, aten.split.Tensor, aten.split.default, aten.
 
 
 # -- shared helpers (also used by rules_index and rules_factory) -------------------------------------
-def aligned(n_in: int, n_out: int, sizes: Sequence[int], mdim: int, match: Match) -> bool:
-    """Whether `match(input piece, output piece)` holds at every mesh point, for every nesting of shards.
+def aligned(x: Spec, i: int, n_out: int, mdim: int, match: Match) -> bool:
+    """Whether mesh dim `mdim` may map a shard of x's dim i onto an output dim of n_out elements.
 
-    Mesh dim `mdim` shards a dim of n_in elements (input) and one of n_out (output); any set of other
-    mesh dims may shard the same dims too (nesting in mesh-dim order), so every such set is checked.
+    `match(input piece, output piece)` must hold at every mesh point for every set of mesh dims that may
+    shard dim i together (nesting in mesh-dim order). Mesh dims are admitted one at a time, those that
+    shard dim i now first, each only if every nest it forms with those admitted before it matches.
     """
-    others = [e for e, k in enumerate(sizes) if e != mdim and k > 1]
-    for r in range(len(others) + 1):
-        for extra in itertools.combinations(others, r):
-            ks = [sizes[e] for e in sorted((mdim, *extra))]
-            nest = (Shard(0),) * len(ks)
-            for coords in itertools.product(*(range(k) for k in ks)):
-                a = local_bounds((n_in,), nest, ks, coords)[0]
-                b = local_bounds((n_out,), nest, ks, coords)[0]
-                if not (a[1] == b[1] == 0 or match(a, b)):
-                    return False
+    sizes = x.mesh.sizes
+    if sizes[mdim] == 1:
+        return True
+    order = sorted((e for e, k in enumerate(sizes) if k > 1), key=lambda e: (x.placements[e] != Shard(i), e))
+    admitted: list[int] = []
+    for e in order:
+        if all(_nest_matches(x.shape[i], n_out, sizes, sorted((e, *t)), match)
+               for r in range(len(admitted) + 1) for t in itertools.combinations(admitted, r)):
+            admitted.append(e)
+        if e == mdim:
+            return e in admitted
+    raise AssertionError(f"mesh dim {mdim} of sizes {sizes} not visited")
+
+
+def _nest_matches(n_in: int, n_out: int, sizes: Sequence[int], nest: list[int], match: Match) -> bool:
+    ks = [sizes[e] for e in nest]
+    shards = (Shard(0),) * len(ks)
+    for coords in itertools.product(*(range(k) for k in ks)):
+        a = local_bounds((n_in,), shards, ks, coords)[0]
+        b = local_bounds((n_out,), shards, ks, coords)[0]
+        if not (a[1] == b[1] == 0 or match(a, b)):
+            return False
     return True
 
 
@@ -77,15 +91,16 @@ def kept(ndim: int, skip: int, drops: bool) -> dict[int, int]:
 
 
 # -- view / _unsafe_view / view.dtype ----------------------------------------------------------------
-def view_dims(src: Sequence[int], dst: Sequence[int], sizes: Sequence[int], mdim: int) -> dict[int, int]:
+def view_dims(x: Spec, dst: Sequence[int], mdim: int) -> dict[int, int]:
     """Input dim -> output dim whose pieces hold exactly the same elements (same outer product, aligned)."""
     found = {}
+    src = x.shape
     for i, n in enumerate(src):
         outer, inner = math.prod(src[:i]), math.prod(src[i + 1:])
         for o, m in enumerate(dst):
             inner_o = math.prod(dst[o + 1:])
             if (n > 1 and m > 1 and math.prod(dst[:o]) == outer and n * inner == m * inner_o
-                    and aligned(n, m, sizes, mdim, _blocks(inner, inner_o))):
+                    and aligned(x, i, m, mdim, _blocks(inner, inner_o))):
                 found[i] = o
                 break
     return found
@@ -98,17 +113,23 @@ def _blocks(inner_in: int, inner_out: int) -> Match:
 @register_rule(*RESHAPING)
 def view(call: OpCall, mdim: int) -> list[Strategy]:
     x, out = call.ins[0], call.outs[0]
-    return follow(call, mdim, view_dims(x.shape, out.shape, x.mesh.sizes, mdim), resized)
+    return follow(call, mdim, view_dims(x, out.shape, mdim), resized)
 
 
 @register_rule(aten.view.dtype)
 def view_dtype(call: OpCall, mdim: int) -> list[Strategy]:
-    """Reinterpreting bits: the last dim scales by the itemsize ratio; not linear, so no Partial."""
+    """Reinterpreting bits: the last dim scales by the itemsize ratio; not linear, so no Partial.
+
+    Viewing as a wider dtype fails on an empty piece (its strides are arbitrary), so then every piece of
+    the last dim must be whole and non-empty: divisible by the ratio times the mesh size.
+    """
     x, out = call.ins[0], call.outs[0]
     dims = {k: k for k in range(x.ndim - 1)}
-    if x.ndim and aligned(x.shape[-1], out.shape[-1], x.mesh.sizes, mdim,
-                          _blocks(x.dtype.itemsize, out.dtype.itemsize)):
-        dims[x.ndim - 1] = x.ndim - 1
+    grow = out.dtype.itemsize // x.dtype.itemsize
+    last = x.ndim - 1
+    if x.ndim and (x.shape[last] % (grow * x.mesh.numel) == 0 if grow > 1 else
+                   aligned(x, last, out.shape[last], mdim, _blocks(x.dtype.itemsize, out.dtype.itemsize))):
+        dims[last] = last
     return [Strategy((Shard(i),), (Shard(o),)) for i, o in dims.items()]
 
 
@@ -152,6 +173,7 @@ def squeeze(call: OpCall, mdim: int) -> list[Strategy]:
 
 def _squeezed(call: OpCall) -> list[int]:
     x = call.ins[0]
+    asked: Iterable[int]
     if call.op == aten.squeeze.default:
         asked = range(x.ndim)
     elif call.op == aten.squeeze.dim:
@@ -180,7 +202,7 @@ def slice_(call: OpCall, mdim: int) -> list[Strategy]:
     dim, start, step = _slice_args(call)
     dims = {k: k for k in range(x.ndim)}
     m = out.shape[dim]
-    if not aligned(x.shape[dim], m, x.mesh.sizes, mdim, lambda a, b: _image(a, start, step, m) == b):
+    if not aligned(x, dim, m, mdim, lambda a, b: _image(a, start, step, m) == b):
         del dims[dim]
     return follow(call, mdim, dims, _slice_emit)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._mode_utils import no_dispatch
 
 from monarch.errors import ShapeError, ShardingError, UnsupportedOpError
 from monarch.graph.propagate import Decision, decide
@@ -23,6 +24,7 @@ from monarch.graph.rules import Emit, OpCall
 from monarch.tensor.instr import Buf, Instr, Local
 from monarch.tensor.meshtensor import Backend, MeshTensor
 from monarch.tensor.placement import Placements, Replicate
+from monarch.tensor.random import next_seed
 from monarch.tensor.spec import AbstractMesh, Spec, spec_of
 
 SCALARS = (int, float, bool, complex)
@@ -48,6 +50,7 @@ class Recorded:
     decision: Decision
     build: Callable[[list[Any]], Any]  # the op's return value from its output MeshTensors
     inplace: bool
+    seeded: bool  # a random op: it draws a seed from monarch.manual_seed's stream
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class Tracer:
     def __init__(self, mesh: AbstractMesh, backend: Backend) -> None:
         self.mesh, self.backend = mesh, backend
         self.ids = itertools.count(1)
-        self.live: set[int] = set()
+        self.live: dict[int, int] = {}  # buffer id -> how many Values name it (a cached redistribution is shared)
         self.released: list[int] = []
         self.cache: dict[Any, Recorded] = {}
         self._new_graph()
@@ -90,12 +93,15 @@ class Tracer:
     # -- values ----------------------------------------------------------------------------------
     def new_value(self, node: fx.Node, id: int | None = None) -> Value:
         v = Value(next(self.ids) if id is None else id, node, self)
-        self.live.add(v.id)
+        self.live[v.id] = self.live.get(v.id, 0) + 1
         return v
 
     def release(self, id: int) -> None:
-        self.live.discard(id)
-        self.released.append(id)
+        n = self.live.pop(id, 1) - 1
+        if n > 0:
+            self.live[id] = n
+        else:
+            self.released.append(id)
 
     def wrap(self, spec: Spec, node: fx.Node, id: int) -> MeshTensor:
         return MeshTensor(spec, self.backend, self.new_value(node, id))
@@ -146,6 +152,8 @@ class Tracer:
         d = entry.decision
         node, ids = self.node(func, tuple(n for n, _ in srcs), d.outs, d.emit or Emit.default, local_args,
                               local_kwargs, entry.call, d.ins)
+        if entry.seeded:
+            node.meta["seed"] = next_seed()
         outs = [self.wrap(spec, node, i) for spec, i in zip(entry.decision.outs, ids, strict=True)]
         if entry.inplace:
             return _rebind(args[0], outs[0])
@@ -192,7 +200,7 @@ class Tracer:
         call = OpCall(func, _substitute(args, iter([t._spec for t in ins])),
                       _substitute(kwargs, iter([t._spec for t in ins[_count(args):]])) if kwargs else {},
                       tuple(t._spec for t in ins), outs)
-        return Recorded(call, decide(call), build, _mutates_self(func))
+        return Recorded(call, decide(call), build, _mutates_self(func), torch.Tag.nondeterministic_seeded in func.tags)
 
     def take(self) -> TracedGraph:
         """Close the pending graph and start a new one."""
@@ -300,8 +308,11 @@ def _mutates_self(func: Any) -> bool:
 
 
 def _rebind(target: MeshTensor, out: MeshTensor) -> MeshTensor:
-    """An in-place op: `target` now names the op's result (same global meta, maybe new placements)."""
+    """An in-place op: `target` now names the op's result (new placements; `squeeze_`, `t_`: new shape too)."""
     target._spec, target._handle = out._spec, out._handle
+    if target.shape != out.shape or target.stride() != out.stride():
+        with no_dispatch():
+            torch.Tensor.as_strided_(target, out.shape, out.stride())
     return target
 
 

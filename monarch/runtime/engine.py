@@ -59,7 +59,7 @@ class Engine:
         if len(ins.outs) == 1 and isinstance(result, torch.Tensor):
             self.store[ins.outs[0]] = result
         else:
-            for i, r in zip(ins.outs, result, strict=True):
+            for i, r in zip(ins.outs, [r for r in result if r is not None], strict=True):  # None: undefined grad
                 self.store[i] = r
 
     def _resolve(self, obj: Any, poison: list[Poison]) -> Any:

@@ -17,9 +17,12 @@ def chunk(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     return x.narrow(dim, start, length).clone()
 
 
-def partialize(x: torch.Tensor, keep: bool) -> torch.Tensor:
-    """A replicated tensor as Partial(sum): the first rank of the dim keeps it, the others hold zeros."""
-    return x.clone() if keep else torch.zeros_like(x)
+def partialize(x: torch.Tensor, keep: bool, op: str = "sum") -> torch.Tensor:
+    """A replicated tensor as Partial(op): the first rank of the dim keeps it, the others hold zeros (sum),
+    ones (prod), or keep it too (max and min, whose reduction of equal values is that value)."""
+    if keep or op in ("max", "min"):
+        return x.clone()
+    return torch.ones_like(x) if op == "prod" else torch.zeros_like(x)
 
 
 def constant(x: torch.Tensor) -> torch.Tensor:

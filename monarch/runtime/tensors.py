@@ -7,8 +7,6 @@ the piece. `activate(procs)` makes plain `torch.randn(...)` and friends create M
 from __future__ import annotations
 
 import contextlib
-import itertools
-import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,21 +22,10 @@ from monarch.runtime.session import Session, session_of
 from monarch.tensor.instr import Buf, Local
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
+from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec
 
 PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
-_seed = [secrets.randbits(31), itertools.count()]
-
-
-def manual_seed(seed: int) -> None:
-    """Make every later random factory reproducible (the i-th draw after this depends on seed and i)."""
-    _seed[0], _seed[1] = int(seed), itertools.count()
-
-
-def _next_seed() -> int:
-    return (int(_seed[0]) * 1_000_003 + next(_seed[1])) % (1 << 63)  # type: ignore[call-overload]
-
-
 def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placements: PlacementsArg,
              make: Callable[[Emit, Spec], Local], what: str) -> MeshTensor:
     s = session_of(procs)
@@ -78,7 +65,7 @@ def empty(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch
 
 def _random(kind: str, shape: Sequence[Any], mesh: Any, placements: PlacementsArg, dtype: torch.dtype | None,
             **kw: Any) -> MeshTensor:
-    seed = _next_seed()
+    seed = next_seed()
 
     def make(ctx: Emit, spec: Spec) -> Local:
         return Local("monarch::random", (kind, spec.shape, spec.bounds(ctx.coords), seed, {"dtype": spec.dtype, **kw}),
@@ -112,10 +99,10 @@ def arange(start: float, end: float | None = None, step: float = 1, *, mesh: Any
 
 
 def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg = None) -> MeshTensor:
-    """A MeshTensor holding `tensor`'s data, each rank receiving only its own piece."""
+    """A MeshTensor holding a copy of `tensor`'s data, each rank receiving only its own piece."""
     if isinstance(tensor, MeshTensor):
         return tensor.redistribute(placements or {})
-    data = tensor.detach()
+    data = tensor.detach().clone()
 
     def make(ctx: Emit, spec: Spec) -> Local:
         piece = data
