@@ -1,5 +1,5 @@
-"""Rules for neural-network ops: softmax and log_softmax, layer norm, embedding, nll_loss (and their
-backward ops); cross_entropy reaches dispatch as _log_softmax + nll_loss_forward.
+"""Rules for neural-network ops: softmax and log_softmax, layer norm, embedding, nll_loss and nll_loss2d
+(and their backward ops); cross_entropy reaches dispatch as _log_softmax + nll_loss(2d)_forward.
 
 Rows stay sharded along dims the op does not mix (batch dims); parameter gradients summed over a
 sharded batch become Partial(sum). A vocab-sharded embedding looks up its own rows and masks the rest.
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from monarch.graph.rules import Emit, OpCall, R, Strategy, register_rule
+from monarch.graph.rules import Emit, OpCall, R, Strategy, op_name, register_rule
 from monarch.tensor.instr import Buf, Local
 from monarch.tensor.placement import Partial, Placement, Shard
+from monarch.tensor.spec import Spec
 
 aten = torch.ops.aten
 P = Partial("sum")
@@ -101,32 +102,40 @@ def embedding_backward(call: OpCall, mdim: int) -> list[Strategy]:
 
 
 # -- nll_loss ---------------------------------------------------------------------------------------
-@register_rule(aten.nll_loss_forward.default)
+def batch_pairs(x: Spec) -> list[tuple[int, int]]:
+    """(input dim, target dim) of each batch dim: N of (N, C), and N, H, W of nll_loss2d's (N, C, H, W)."""
+    return [] if x.ndim < 2 else [(0, 0), *((d, d - 1) for d in range(2, x.ndim))]
+
+
+@register_rule(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 def nll_loss(call: OpCall, mdim: int) -> list[Strategy]:
     """Batch-sharded: reduction none keeps the shard, sum gives Partial; mean needs the global
     total_weight, so the target is replicated and each rank divides its own sum by it. The loss is
     linear in the input, so a Partial input gives a Partial loss."""
-    x, reduction = call.ins[0], call.arg(3, "reduction")
+    reduction = call.arg(3, "reduction")
     strategies = [Strategy(_rest(call, (P,)), (P, R))]
-    if x.ndim == 2:
-        batch = {NONE: Strategy(_rest(call, (Shard(0), Shard(0))), (Shard(0), R)),
-                 SUM: Strategy(_rest(call, (Shard(0), Shard(0))), (P, P)),
-                 MEAN: Strategy(_rest(call, (Shard(0), R)), (P, R), emit_nll_mean)}
-        strategies.append(batch[reduction])
+    for d, t in batch_pairs(call.ins[0]):
+        strategies.append({NONE: Strategy(_rest(call, (Shard(d), Shard(t))), (Shard(t), R)),
+                           SUM: Strategy(_rest(call, (Shard(d), Shard(t))), (P, P)),
+                           MEAN: Strategy(_rest(call, (Shard(d), R)), (P, R), emit_nll_mean)}[reduction])
     return strategies
 
 
 def emit_nll_mean(ctx: Emit) -> list[Local]:
     """This rank's summed loss over its rows, divided by the total weight of the whole target."""
-    x, target = ctx.ins[0], ctx.args[1]
-    weight, ignore = ctx.call.arg(2, "weight"), ctx.call.arg(4, "ignore_index")
-    start, n = x.bounds(ctx.coords)[0]
-    mine, summed, own_weight, total = ctx.tmp(), ctx.tmp(), ctx.tmp(), Buf(ctx.out_ids[1])
-    return [Local("aten::slice.Tensor", (target, 0, start, start + n), {}, (mine.id,)),
-            Local("aten::nll_loss_forward", (ctx.args[0], mine, ctx.args[2], SUM, ignore), {},
-                  (summed.id, own_weight.id)),
-            *_total_weight(ctx, target, ctx.args[2] if weight is not None else None, ignore, total),
-            Local("aten::div.Tensor", (summed, total), {}, (ctx.out_ids[0],))]
+    x, weight, ignore = ctx.ins[0], ctx.args[2], ctx.call.arg(4, "ignore_index")
+    target = mine = ctx.args[1]
+    instrs = []
+    for d, t in batch_pairs(x):
+        start, n = x.bounds(ctx.coords)[d]
+        piece = ctx.tmp()
+        instrs.append(Local("aten::slice.Tensor", (mine, t, start, start + n), {}, (piece.id,)))
+        mine = piece
+    summed, own_weight, total = ctx.tmp(), ctx.tmp(), Buf(ctx.out_ids[1])
+    return instrs + [
+        Local(op_name(ctx.call.op), (ctx.args[0], mine, weight, SUM, ignore), {}, (summed.id, own_weight.id)),
+        *_total_weight(ctx, target, weight, ignore, total),
+        Local("aten::div.Tensor", (summed, total), {}, (ctx.out_ids[0],))]
 
 
 def _total_weight(ctx: Emit, target: Buf, weight: Buf | None, ignore: int, out: Buf) -> list[Local]:
@@ -136,20 +145,20 @@ def _total_weight(ctx: Emit, target: Buf, weight: Buf | None, ignore: int, out: 
     if weight is not None:
         safe, picked, kept = ctx.tmp(), ctx.tmp(), ctx.tmp()
         instrs += [Local("aten::mul.Tensor", (target, counted), {}, (safe.id,)),
-                   Local("aten::index_select", (weight, 0, safe), {}, (picked.id,)),
+                   Local("aten::take", (weight, safe), {}, (picked.id,)),
                    Local("aten::mul.Tensor", (picked, counted), {}, (kept.id,))]
         counted = kept
     return instrs + [Local("aten::sum.default", (counted,), {"dtype": ctx.outs[1].dtype}, (out.id,))]
 
 
-@register_rule(aten.nll_loss_backward.default)
+@register_rule(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
 def nll_loss_backward(call: OpCall, mdim: int) -> list[Strategy]:
     """Rows follow the batch shard: grad_output too for reduction none, else it is a replicated
     scalar; only mean reads total_weight (the last input), which must then be the global one."""
-    x, reduction, tw = call.ins[1], call.arg(4, "reduction"), call.ins[-1]
+    reduction, tw = call.arg(4, "reduction"), call.ins[-1]
     total = R if reduction == MEAN else tw.placements[mdim]
     strategies = [Strategy(_rest(call, (P,))[:-1] + (total,), (P,))]
-    if x.ndim == 2:
-        g = Shard(0) if reduction == NONE else R
-        strategies.append(Strategy(_rest(call, (g, Shard(0), Shard(0)))[:-1] + (total,), (Shard(0),)))
+    for d, t in batch_pairs(call.ins[1]):
+        g = Shard(t) if reduction == NONE else R
+        strategies.append(Strategy(_rest(call, (g, Shard(d), Shard(t)))[:-1] + (total,), (Shard(d),)))
     return strategies

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from monarch.graph.rules import Emit, Emitter, OpCall, OpOverload, R, Strategy, op_name, register_rule
+from monarch.graph.rules import Emit, Emitter, OpCall, OpOverload, Strategy, op_name, register_rule
 from monarch.tensor.instr import Local
 from monarch.tensor.placement import Partial, Shard
 
@@ -54,8 +54,9 @@ def out_dim(d: int, reduced: frozenset[int], keep: bool) -> int:
     return d if keep else d - sum(r < d for r in reduced)
 
 
-def kept(call: OpCall) -> list[Strategy]:
-    """A shard of a dim the op does not reduce stays on that dim of every output."""
+def kept(call: OpCall, mdim: int) -> list[Strategy]:
+    """A shard of a dim the op does not reduce stays on that dim of every output (the whole rule of
+    the ops that gather their reduced dims)."""
     reduced, keep = reduction(call)
     n_out = len(call.outs)
     return [Strategy((Shard(d),), (Shard(out_dim(d, reduced, keep)),) * n_out)
@@ -66,15 +67,11 @@ def combined(call: OpCall, mdim: int) -> list[Strategy]:
     """Kept shards; a sharded reduced dim gives COMBINE[op]; a Partial of that kind passes through."""
     x, out = call.ins[0], call.outs[0]
     partial = COMBINE[call.op]
-    strategies = kept(call)
+    strategies = kept(call, mdim)
     strategies += [Strategy((Shard(d),), (partial,), EMITTERS.get(call.op)) for d in sorted(reduction(call)[0])]
     if x.placements[mdim] == partial and (x.dtype == torch.bool) == (out.dtype == torch.bool):
         strategies.append(Strategy((partial,), (partial,)))
     return strategies
-
-
-def gathered(call: OpCall, mdim: int) -> list[Strategy]:
-    return kept(call)
 
 
 def emit_mean(ctx: Emit) -> list[Local]:
@@ -121,4 +118,4 @@ EMITTERS: dict[OpOverload, Emitter] = {**{op: emit_mean for op in MEANS}, **{op:
 for _op in sorted(COMBINE, key=str):
     register_rule(_op)(combined)
 for _op in GATHER:
-    register_rule(_op)(gathered)
+    register_rule(_op)(kept)

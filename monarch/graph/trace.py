@@ -33,11 +33,16 @@ NodeEmitter = Callable[[Emit], list[Instr]]
 
 
 class Value:
-    """The handle a MeshTensor holds: its buffer id and the node that produces it."""
-    __slots__ = ("id", "node", "tracer")
+    """The handle a MeshTensor holds: its buffer id and the node that produces it.
+
+    `copied_view` marks a view whose base had to be redistributed first: it views a copy, so a write
+    through it would not reach the base, and in-place ops on it are refused.
+    """
+    __slots__ = ("id", "node", "tracer", "copied_view")
 
     def __init__(self, id: int, node: fx.Node, tracer: Tracer) -> None:
         self.id, self.node, self.tracer = id, node, tracer
+        self.copied_view = False
 
     def __del__(self) -> None:
         self.tracer.release(self.id)
@@ -51,6 +56,7 @@ class Recorded:
     build: Callable[[list[Any]], Any]  # the op's return value from its output MeshTensors
     inplace: bool
     seeded: bool  # a random op: it draws a seed from monarch.manual_seed's stream
+    view: bool    # the output aliases the first input
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,15 @@ class Tracer:
             node.meta["seed"] = next_seed()
         outs = [self.wrap(spec, node, i) for spec, i in zip(entry.decision.outs, ids, strict=True)]
         if entry.inplace:
+            if args[0]._handle.copied_view:
+                raise UnsupportedOpError(
+                    f"{func.name()}: writing through a view whose base MeshTensor had to be redistributed "
+                    f"(now {ins[0]._spec}) would not reach the base; redistribute the base first so the view "
+                    "needs no data movement (e.g. to Replicate on the viewed dims), or use an out-of-place op")
             return _rebind(args[0], outs[0])
+        if entry.view and ins and (srcs[0][1] != ins[0]._handle.id or ins[0]._handle.copied_view):
+            for o in outs:
+                o._handle.copied_view = True
         return entry.build(outs)
 
     def _constants(self, obj: Any) -> Any:
@@ -200,7 +214,10 @@ class Tracer:
         call = OpCall(func, _substitute(args, iter([t._spec for t in ins])),
                       _substitute(kwargs, iter([t._spec for t in ins[_count(args):]])) if kwargs else {},
                       tuple(t._spec for t in ins), outs)
-        return Recorded(call, decide(call), build, _mutates_self(func), torch.Tag.nondeterministic_seeded in func.tags)
+        returns = func._schema.returns
+        view = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+        return Recorded(call, decide(call), build, _mutates_self(func),
+                        torch.Tag.nondeterministic_seeded in func.tags, view)
 
     def take(self) -> TracedGraph:
         """Close the pending graph and start a new one."""
