@@ -103,7 +103,8 @@ def matmul_rows(procs: object, n: int, reps: int) -> list[tuple[str, str, str]]:
     assert torch.allclose((x @ w).full_tensor(timeout=120), a @ b, rtol=1e-4, atol=1e-3)
     return [
         (f"matmul {n}x{n}, local torch", f"{local:.1f} ms", "baseline"),
-        (f"matmul {n}x{n}, S(0) x R on {len(procs)} procs", f"{sharded:.1f} ms", f"{local / sharded:.2f}x speed"),  # type: ignore[arg-type]
+        (f"matmul {n}x{n}, S(0) x R on {len(procs)} procs",  # type: ignore[arg-type]
+         f"{sharded:.1f} ms", f"{local / sharded:.2f}x speed"),
         ("  same, result fetched to the controller", f"{fetched:.1f} ms", f"{local / fetched:.2f}x speed"),
     ]
 

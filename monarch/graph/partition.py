@@ -7,13 +7,24 @@ node that reads it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch.fx as fx
 
-from monarch.graph.program import RankProgram
 from monarch.graph.rules import Emit, op_name
 from monarch.graph.trace import TracedGraph
 from monarch.tensor.instr import Free, Instr, Local
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """What one mesh point runs for one flushed graph; it knows the abstract mesh only (coordinates, mesh
+    dims by index), and lowering binds it to the processes of a concrete mesh view."""
+    coords: tuple[int, ...]
+    instrs: tuple[Instr, ...]
+
+    def __str__(self) -> str:
+        return "\n".join([f"rank {self.coords}:"] + [f"  {ins!r}" for ins in self.instrs])
 
 
 def partition(traced: TracedGraph) -> tuple[RankProgram, ...]:
@@ -45,7 +56,7 @@ def _emit(node: fx.Node, coords: tuple[int, ...]) -> list[Instr]:
     m = node.meta
     ctx = Emit(m["call"], m["in_specs"], m["specs"], coords, m["local_args"], m["local_kwargs"], m["ids"],
                lambda: next(temps), m.get("seed", 0))
-    instrs = m["emit"](ctx)
+    instrs = list(m["emit"](ctx))
     used = [i for ins in instrs for i in _outs(ins) if i < 0]
     return instrs + [Free(tuple(sorted(set(used))))] if used else instrs
 

@@ -94,4 +94,3 @@ def _fallback(call: OpCall) -> Decision:
     ins = tuple(spec.with_placements(tuple(s.inputs[i] for _ in range(ndim))) for i, spec in enumerate(call.ins))
     outs = tuple(spec.with_placements(tuple(s.outputs[i] for _ in range(ndim))) for i, spec in enumerate(call.outs))
     return Decision(ins, outs, (s,) * ndim, None, fallback=True)
-

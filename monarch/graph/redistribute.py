@@ -36,7 +36,7 @@ class Step:
         n = self.before.mesh.sizes[self.mdim]
         if n == 1:
             return 0.0
-        piece = self.before.nbytes
+        piece = float(self.before.nbytes)
         for d, p in enumerate(self.before.placements):
             if d != self.mdim and isinstance(p, Shard):
                 piece /= self.before.mesh.sizes[d]

@@ -31,7 +31,7 @@ def einsum_strategies(eq: str) -> list[tuple[tuple[Placement, ...], Placement]]:
     """(operand placements, output placement) for every letter of `eq`, plus the linear Partial ones."""
     lhs, out = eq.split("->")
     operands = lhs.split(",")
-    result = []
+    result: list[tuple[tuple[Placement, ...], Placement]] = []
     for letter in sorted(set(lhs.replace(",", ""))):
         ins = tuple(Shard(op.index(letter)) if letter in op else R for op in operands)
         result.append((ins, Shard(out.index(letter)) if letter in out else P))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from monarch.tensor.spec import AbstractMesh, Spec, spec_of
 
 SCALARS = (int, float, bool, complex)
 PLAIN = (str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-NodeEmitter = Callable[[Emit], list[Instr]]
+NodeEmitter = Callable[[Emit], Sequence[Instr]]
 
 
 class Value:
@@ -183,7 +183,8 @@ class Tracer:
         if isinstance(obj, torch.Tensor) and t is not MeshTensor:
             data = obj.detach().clone()
             spec = spec_of(data, (Replicate(),) * self.mesh.ndim, self.mesh)
-            node, ids = self.node(constant, (), (spec,), lambda ctx: [Local("monarch::constant", (data,), {}, ctx.out_ids)])
+            node, ids = self.node(constant, (), (spec,),
+                                  lambda ctx: [Local("monarch::constant", (data,), {}, ctx.out_ids)])
             return self.wrap(spec, node, ids[0])
         return obj
 

@@ -18,7 +18,7 @@ def reduce(parts: list[torch.Tensor], op: str) -> torch.Tensor:
         fn = torch.logical_or
     elif parts[0].dtype == torch.bool:
         fn = torch.logical_and
-    return functools.reduce(fn, parts[1:], parts[0].clone())
+    return functools.reduce(fn, parts[1:], parts[0].clone())  # type: ignore[call-overload]
 
 
 def split(x: torch.Tensor, dim: int, k: int) -> list[torch.Tensor]:

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 
-
 def chunk(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     """This rank's piece of a replicated tensor."""
     return x.narrow(dim, start, length).clone()

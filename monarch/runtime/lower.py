@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import operator
 
-from monarch.graph.program import RankProgram
+from monarch.graph.partition import RankProgram
+from monarch.tensor.instr import Instr
 from monarch.runtime import codec
 from monarch.runtime.commands import RunProgram
 from monarch.runtime.shape import Shape
@@ -27,10 +28,10 @@ def lower(programs: tuple[RankProgram, ...], view: Shape, call_id: int = 0,
     for p in programs[1:]:
         differs = list(map(operator.or_, differs, map(operator.is_not, first, p.instrs)))
     varying = [i for i, d in enumerate(differs) if d]
-    shared = list(first)
+    shared: list[Instr | None] = list(first)
     for i in varying:
         shared[i] = None
     blob = codec.dumps_data(tuple(shared))
-    return {r: RunProgram(view, blob, tuple((i, p.instrs[i]) for i in varying), call_id,
-                         fetch.get(n, 0) if fetch else 0)
+    fetch = fetch or {}
+    return {r: RunProgram(view, blob, tuple((i, p.instrs[i]) for i in varying), call_id, fetch.get(n, 0))
             for n, (r, p) in enumerate(zip(ranks, programs, strict=True))}

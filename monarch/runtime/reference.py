@@ -7,9 +7,9 @@ path; tests compare the two, and both against plain torch.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from monarch.graph.program import RankProgram
+from monarch.graph.partition import RankProgram
 from monarch.graph.trace import TracedGraph
 from monarch.runtime import codec
 from monarch.runtime.collectives import RUN
@@ -83,7 +83,8 @@ def run_lockstep(engines: list[Engine], programs: tuple[RankProgram, ...], sizes
             d = first.mdim
             members = [p.coords[:d] + (k,) + p.coords[d + 1:] for k in range(sizes[d])]
             done.update(members)
-            comms = [programs[index[c]].instrs[i] for c in members]
+            comms = [cast(Comm, programs[index[c]].instrs[i]) for c in members]
+            assert all(isinstance(c, Comm) for c in comms), f"instruction {i}: ranks disagree on a collective"
             parts = [engines[index[c]].comm_input(ins) for c, ins in zip(members, comms, strict=True)]
             outs = RUN[first.kind](parts, first)
             for c, ins, out in zip(members, comms, outs, strict=True):

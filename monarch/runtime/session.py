@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from monarch import config
-from monarch.graph.partition import partition
-from monarch.graph.program import RankProgram
+from monarch.graph.partition import RankProgram, partition
 from monarch.graph.trace import TracedGraph, Tracer
 from monarch.runtime import codec
 from monarch.runtime.controller import controller

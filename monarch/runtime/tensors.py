@@ -21,11 +21,13 @@ from monarch.runtime.futures import Future
 from monarch.runtime.session import Session, session_of
 from monarch.tensor.instr import Buf, Local
 from monarch.tensor.meshtensor import MeshTensor
-from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
+from monarch.tensor.placement import Partial, Placement, Shard, normalize
 from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec
 
 PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
+
+
 def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placements: PlacementsArg,
              make: Callable[[Emit, Spec], Local], what: str) -> MeshTensor:
     s = session_of(procs)
@@ -139,6 +141,7 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     """Run `fn(*args)`; print and return its traced graph with specs and each rank's program."""
     sessions = {a._backend for a in args if isinstance(a, MeshTensor)}
     for s in sessions:
+        assert isinstance(s, Session)
         s.flush()
     fn(*args, **kwargs)
     texts = []
@@ -183,11 +186,6 @@ def activate(procs: Any) -> Iterator[Any]:
         yield procs
 
 
-
-FACTORIES: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
-    full, randn, rand, randint, arange, distribute_tensor)}
-
-
 def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | None],
               out_placements: PlacementsArg | Sequence[PlacementsArg]) -> Callable[..., Any]:
     """`fn` run on each rank's local pieces: MeshTensor arguments are redistributed to `in_placements`
@@ -207,7 +205,7 @@ def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | No
         ins = [a for a in moved if isinstance(a, MeshTensor)]
         multi = isinstance(out_placements, (list, tuple)) and bool(out_placements) and \
             not isinstance(out_placements[0], Placement)
-        outs = list(out_placements) if multi else [out_placements]  # type: ignore[arg-type, list-item]
+        outs: list[Any] = list(out_placements) if multi else [out_placements]  # type: ignore[arg-type]
         specs = _local_map_specs(fn, moved, outs, s)
         srcs = [s.tracer._moved(t, t._spec) for t in ins]
         it = iter([Buf(i) for _, i in srcs])
@@ -221,7 +219,8 @@ def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | No
     return run
 
 
-def _local_map_specs(fn: Callable[..., Any], args: list[Any], outs: list[PlacementsArg], s: Session) -> tuple[Spec, ...]:
+def _local_map_specs(fn: Callable[..., Any], args: list[Any], outs: list[PlacementsArg],
+                     s: Session) -> tuple[Spec, ...]:
     """Global output specs, from running fn on meta tensors of every rank's local shapes."""
     per_rank = []
     for coords in s.abstract.coords():
@@ -248,3 +247,7 @@ def _local_map_specs(fn: Callable[..., Any], args: list[Any], outs: list[Placeme
                                     "(pieces must be torch.chunk pieces)")
         specs.append(spec)
     return tuple(specs)
+
+
+FACTORIES: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
+    full, randn, rand, randint, arange, distribute_tensor)}

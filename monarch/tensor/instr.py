@@ -66,8 +66,6 @@ class Comm:
         return f"{Buf(self.out)!r} = {self.kind}({Buf(self.src)!r}, {extra}, mdim={self.mdim})"
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class Free:
     """Drop these buffers (their last use has run)."""

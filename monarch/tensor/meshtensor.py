@@ -33,17 +33,18 @@ class MeshTensor(torch.Tensor):
     _backend: Backend
     _handle: Any
     __slots__ = ("_spec", "_backend", "_handle")
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, spec: Spec, backend: Backend, handle: Any, requires_grad: bool = False) -> MeshTensor:
         t = torch.Tensor._make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype,
-                                                device="cpu", requires_grad=requires_grad)
+                                                device=torch.device("cpu"), requires_grad=requires_grad)
         t._spec, t._backend, t._handle = spec, backend, handle
         return t
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: dict | None = None) -> Any:
         backend = _backend_of(args, kwargs)
         return backend.dispatch(func, args, kwargs or {})
 
