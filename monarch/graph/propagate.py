@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from monarch import config
 from monarch.errors import UnsupportedOpError
-from monarch.graph.rules import Emitter, OpCall, Strategy, all_replicated, load_rules, rule_for
+from monarch.graph.rules import Emitter, OpCall, Strategy, all_replicated, load_rules, rule_for, writes_first_arg
 from monarch.tensor.placement import Partial, Placement, Shard
 from monarch.tensor.spec import Spec
 
@@ -34,25 +34,29 @@ def decide(call: OpCall) -> Decision:
     rule = rule_for(call.op)
     if rule is None:
         return _fallback(call)
-    chosen = tuple(_best(call, d, rule(call, d)) for d in range(call.ins[0].mesh.ndim if call.ins else 0))
+    inplace = writes_first_arg(call.op)
+    chosen = tuple(_best(call, d, rule(call, d), inplace) for d in range(call.ins[0].mesh.ndim if call.ins else 0))
     ins = tuple(s.with_placements(tuple(c.inputs[i] for c in chosen)) for i, s in enumerate(call.ins))
     outs = tuple(s.with_placements(tuple(c.outputs[i] for c in chosen)) for i, s in enumerate(call.outs))
     emit = next((c.emit for c in chosen if c.emit is not None), None)
     return Decision(ins, outs, chosen, emit)
 
 
-def _best(call: OpCall, d: int, strategies: list[Strategy]) -> Strategy:
+def _best(call: OpCall, d: int, strategies: list[Strategy], inplace: bool) -> Strategy:
     best, best_key = None, None
     for i, s in enumerate([*strategies, all_replicated(call)]):
-        key = _key(call, d, s, i)
+        key = _key(call, d, s, i, inplace)
         if key is not None and (best_key is None or key < best_key):
             best, best_key = s, key
     assert best is not None
     return best
 
 
-def _key(call: OpCall, d: int, s: Strategy, order: int) -> tuple[float, int, int, int] | None:
-    """Sort key of strategy `s` on mesh dim d, or None when it does not fit the inputs."""
+def _key(call: OpCall, d: int, s: Strategy, order: int, inplace: bool) -> tuple[int, float, int, int, int] | None:
+    """Sort key of strategy `s` on mesh dim d, or None when it does not fit the inputs.
+
+    An in-place op first of all keeps its target's placement (a parameter updated by a Partial
+    gradient stays replicated: the gradient is reduced, not the parameter made Partial)."""
     n = call.ins[0].mesh.sizes[d]
     nbytes, changes = 0.0, 0
     for spec, want in zip(call.ins, s.inputs, strict=True):
@@ -64,7 +68,9 @@ def _key(call: OpCall, d: int, s: Strategy, order: int) -> tuple[float, int, int
             nbytes += _transition_bytes(spec, have, want, n)
     out = s.outputs[0] if s.outputs else None
     rank = 0 if isinstance(out, Shard) else 1 if isinstance(out, Partial) else 2
-    return (nbytes, changes, rank, order)
+    keep = call.ins[0].placements[d] if inplace else None
+    moves_target = int(inplace and (s.inputs[0] != keep or s.outputs[0] != keep))
+    return (moves_target, nbytes, changes, rank, order)
 
 
 def _transition_bytes(spec: Spec, have: Placement, want: Placement, n: int) -> float:

@@ -109,6 +109,13 @@ def op_name(op: OpOverload) -> str:
     return str(op.name())
 
 
+def writes_first_arg(op: OpOverload) -> bool:
+    """In-place ops (`add_`, `copy_`, `fill_`) write their first argument and return it."""
+    args = op._schema.arguments
+    a = args[0].alias_info if args else None
+    return a is not None and a.is_write
+
+
 def all_replicated(call: OpCall) -> Strategy:
     return Strategy(tuple(R for _ in call.ins), tuple(R for _ in call.outs))
 

@@ -20,7 +20,7 @@ from torch.utils._mode_utils import no_dispatch
 from monarch.errors import ShapeError, ShardingError, UnsupportedOpError
 from monarch.graph.propagate import Decision, decide
 from monarch.graph.redistribute import Plan, emit_step, plan
-from monarch.graph.rules import Emit, OpCall
+from monarch.graph.rules import Emit, OpCall, writes_first_arg
 from monarch.tensor.instr import Buf, Instr, Local
 from monarch.tensor.meshtensor import Backend, MeshTensor
 from monarch.tensor.placement import Placements, Replicate
@@ -217,7 +217,7 @@ class Tracer:
                       tuple(t._spec for t in ins), outs)
         returns = func._schema.returns
         view = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
-        return Recorded(call, decide(call), build, _mutates_self(func),
+        return Recorded(call, decide(call), build, writes_first_arg(func),
                         torch.Tag.nondeterministic_seeded in func.tags, view)
 
     def take(self) -> TracedGraph:
@@ -316,13 +316,6 @@ def _structure(func: Any, result: Any) -> tuple[list[torch.Tensor], Callable[[li
         return [result[i] for i in where], build
     raise UnsupportedOpError(f"{func.name()} returns {type(result).__name__}, not tensors; monarch cannot run it on "
                              "a MeshTensor yet; call .full_tensor() first")
-
-
-def _mutates_self(func: Any) -> bool:
-    """In-place ops (`add_`, `copy_`, `fill_`) write their first argument and return it."""
-    args = func._schema.arguments
-    a = args[0].alias_info if args else None
-    return a is not None and a.is_write
 
 
 def _rebind(target: MeshTensor, out: MeshTensor) -> MeshTensor:
