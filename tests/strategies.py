@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from monarch.runtime.reference import LocalMesh
 from monarch.runtime.shape import Shape
 from monarch.tensor import Partial, Placement, Replicate, Shard
 
@@ -80,6 +81,15 @@ def slice_args(draw: st.DrawFn, extent: Mapping[str, int], keep_dims: bool = Fal
 # -- sharded tensors --------------------------------------------------------------------------------
 
 TENSOR_MESHES = ({"x": 1}, {"x": 2}, {"x": 4}, {"dp": 2, "tp": 2}, {"x": 3})
+_REFERENCE: dict[tuple[tuple[str, int], ...], LocalMesh] = {}
+
+
+def reference_mesh(dims: dict[str, int]) -> LocalMesh:
+    """The in-process reference mesh with these dims, one per process (its session lives across examples)."""
+    key = tuple(dims.items())
+    if key not in _REFERENCE:
+        _REFERENCE[key] = LocalMesh(dims)
+    return _REFERENCE[key]
 
 
 def tensor_meshes(meshes: tuple[dict[str, int], ...] = TENSOR_MESHES) -> st.SearchStrategy[dict[str, int]]:
@@ -159,9 +169,8 @@ OPS: dict[str, Callable[..., Any]] = {
     "abs": torch.abs, "neg": torch.neg, "relu": torch.relu, "sigmoid": torch.sigmoid, "sin": torch.sin,
     "tanh": torch.tanh, "exp": lambda x: x.clamp(-4, 4).exp(), "square": lambda x: x ** 2,
     "add_scalar": lambda x, c: x + c, "mul_scalar": lambda x, c: x * c, "rsub_scalar": lambda x, c: c - x,
-    "div_scalar": lambda x, c: x / c,
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "maximum": torch.maximum,
-    "div": lambda a, b: a / (b.abs() + 1),
+    "div_scalar": lambda x, c: x / c, "add": torch.add, "sub": torch.sub, "mul": torch.mul,
+    "maximum": torch.maximum, "div": lambda a, b: a / (b.abs() + 1),
     "gt": lambda a, b: a > b, "lt_scalar": lambda x, c: x < c,
     "where": torch.where, "where_scalar": lambda c, x, s: torch.where(c, x, s),
     "float": lambda x: x.float(), "double": lambda x: x.double(),
@@ -183,7 +192,8 @@ class _Builder:
     """Program under construction: steps and the meta tensor of every value so far."""
 
     def __init__(self, draw: st.DrawFn, mesh_ndim: int) -> None:
-        self.draw, self.mesh_ndim = draw, mesh_ndim
+        self.draw: Callable[[st.SearchStrategy[Any]], Any] = draw
+        self.mesh_ndim = mesh_ndim
         self.steps: list[Step] = []
         self.metas: list[torch.Tensor] = []
 
@@ -229,57 +239,51 @@ def _floating(m: torch.Tensor) -> bool:
     return m.dtype.is_floating_point
 
 
-def _gen_unary(b: _Builder) -> bool:
+def _gen_unary(b: _Builder) -> None:
     op = b.draw(st.sampled_from(UNARY_OPS))
     x = b.pick(lambda m: m.dtype == torch.bool if op == "float" else _floating(m))
     if x is None:
-        return False
+        return
     b.add(op, (x,))
-    return True
 
 
-def _gen_scalar(b: _Builder) -> bool:
+def _gen_scalar(b: _Builder) -> None:
     x = b.pick(_floating)
     if x is None:
-        return False
-    op = b.draw(st.sampled_from(SCALAR_OPS))
-    c = b.draw(st.sampled_from([2, -1.5, 0.5, 3.0]))
-    b.add(op, (x,), c)
-    return True
+        return
+    b.add(b.draw(st.sampled_from(SCALAR_OPS)), (x,), b.draw(st.sampled_from([2, -1.5, 0.5, 3.0])))
 
 
-def _gen_binary(b: _Builder) -> bool:
+def _gen_binary(b: _Builder) -> None:
     x = b.pick(_floating)
     if x is None:
-        return False
+        return
     m = b.metas[x]
     y = b.partner(tuple(m.shape), m.dtype)
     ins = (x, y) if b.draw(st.booleans()) else (y, x)
     b.add(b.draw(st.sampled_from(BINARY_OPS)), ins)
-    return True
 
 
-def _gen_where(b: _Builder) -> bool:
+def _gen_where(b: _Builder) -> None:
     c = b.pick(lambda m: m.dtype == torch.bool)
     if c is None:
         x = b.pick(_floating)
         if x is None:
-            return False
-        b.add("lt_scalar", (x,), b.draw(st.sampled_from([0.0, 0.5])))
-        return True
+            return
+        c = b.add("lt_scalar", (x,), b.draw(st.sampled_from([0.0, 0.5])))
     shape = tuple(b.metas[c].shape)
     x = b.partner(shape, torch.float32)
     if b.draw(st.booleans()):
         b.add("where_scalar", (c, x), b.draw(st.sampled_from([0.0, -1.0])))
     else:
-        b.add("where", (c, x, b.partner(shape, torch.float32)))
-    return True
+        both = tuple(torch.broadcast_shapes(shape, b.metas[x].shape))
+        b.add("where", (c, x, b.partner(both, torch.float32)))
 
 
-def _gen_matmul(b: _Builder) -> bool:
+def _gen_matmul(b: _Builder) -> None:
     x = b.pick(lambda m: _floating(m) and m.ndim >= 1)
     if x is None:
-        return False
+        return
     m = b.metas[x]
     k, n = m.shape[-1], b.draw(st.integers(1, 6))
     op = b.draw(st.sampled_from(["mm", "matmul", "linear"] if m.ndim == 2 else ["matmul", "linear"]))
@@ -289,34 +293,31 @@ def _gen_matmul(b: _Builder) -> bool:
         rhs = b.draw(st.sampled_from([(k,), (k, n)] + ([(m.shape[0], k, n)] if m.ndim == 3 else [])))
         ins = (x, b.leaf(rhs if op == "matmul" else (k, n), m.dtype))
     b.add(op, ins)
-    return True
 
 
-def _gen_reduce(b: _Builder) -> bool:
+def _gen_reduce(b: _Builder) -> None:
     x = b.pick(_floating)
     if x is None:
-        return False
+        return
     ndim = b.metas[x].ndim
     if ndim == 0 or b.draw(st.integers(0, 4)) == 0:
         b.add("sum_all", (x,))
-        return True
+        return
     dims = b.draw(st.lists(st.integers(-ndim, ndim - 1), min_size=1, max_size=ndim, unique_by=lambda d: d % ndim))
     b.add(b.draw(st.sampled_from(REDUCE_OPS)), (x,), dims, b.draw(st.booleans()))
-    return True
 
 
-def _gen_softmax(b: _Builder) -> bool:
+def _gen_softmax(b: _Builder) -> None:
     x = b.pick(lambda m: _floating(m) and m.ndim >= 1)
     if x is None:
-        return False
+        return
     b.add(b.draw(st.sampled_from(["softmax", "log_softmax"])), (x,), b.draw(st.integers(0, b.metas[x].ndim - 1)))
-    return True
 
 
-def _gen_layout(b: _Builder) -> bool:
+def _gen_layout(b: _Builder) -> None:
     x = b.pick(lambda m: m.ndim >= 2)
     if x is None:
-        return False
+        return
     ndim = b.metas[x].ndim
     op = b.draw(st.sampled_from(["transpose", "permute"] + (["t"] if ndim == 2 else [])))
     if op == "transpose":
@@ -325,13 +326,12 @@ def _gen_layout(b: _Builder) -> bool:
         b.add(op, (x,), tuple(b.draw(st.permutations(range(ndim)))))
     else:
         b.add(op, (x,))
-    return True
 
 
-def _gen_reshape(b: _Builder) -> bool:
+def _gen_reshape(b: _Builder) -> None:
     x = b.pick(lambda m: m.ndim >= 1)
     if x is None:
-        return False
+        return
     shape = list(b.metas[x].shape)
     i = b.draw(st.integers(0, len(shape) - 1))
     how = b.draw(st.sampled_from(["flatten", "merge", "split", "unsqueeze"]))
@@ -350,13 +350,12 @@ def _gen_reshape(b: _Builder) -> bool:
     except RuntimeError:
         op = "reshape"
     b.add(op, (x,), tuple(new))
-    return True
 
 
-def _gen_cat(b: _Builder) -> bool:
+def _gen_cat(b: _Builder) -> None:
     x = b.pick(lambda m: m.ndim >= 1)
     if x is None:
-        return False
+        return
     m = b.metas[x]
     d = b.draw(st.integers(0, m.ndim - 1))
     same = [i for i, o in enumerate(b.metas) if o.dtype == m.dtype and o.ndim == m.ndim
@@ -365,18 +364,18 @@ def _gen_cat(b: _Builder) -> bool:
     shape[d] = b.draw(st.integers(1, 4))
     y = b.draw(st.sampled_from(same)) if b.draw(st.booleans()) else b.leaf(tuple(shape), m.dtype)
     b.add("cat", (x, y), d)
-    return True
 
 
-def _gen_redistribute(b: _Builder) -> bool:
+def _gen_redistribute(b: _Builder) -> None:
     x = b.draw(st.integers(0, len(b.metas) - 1))
     m = b.metas[x]
     b.add("redistribute", (x,), b.draw(placement_tuples(m.ndim, b.mesh_ndim, partial=_floating(m))))
-    return True
 
 
-GENERATORS = (_gen_unary, _gen_scalar, _gen_binary, _gen_where, _gen_matmul, _gen_reduce, _gen_softmax,
-              _gen_layout, _gen_reshape, _gen_cat, _gen_redistribute)
+GENERATORS: tuple[Callable[[_Builder], None], ...] = (
+    _gen_unary, _gen_scalar, _gen_binary, _gen_where, _gen_matmul, _gen_reduce, _gen_softmax,
+    _gen_layout, _gen_reshape, _gen_cat, _gen_redistribute,
+)
 
 
 @st.composite
