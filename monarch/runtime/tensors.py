@@ -21,7 +21,7 @@ from monarch.runtime.futures import Future
 from monarch.runtime.session import Session, session_of
 from monarch.tensor.instr import Buf, Local
 from monarch.tensor.meshtensor import MeshTensor
-from monarch.tensor.placement import Partial, Placement, Shard, normalize
+from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
 from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec
 
@@ -34,7 +34,7 @@ def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placem
     shape = tuple(int(n) for n in (shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape))
     dtype = dtype or torch.get_default_dtype()
     ps = normalize(placements, s.abstract.names, len(shape), what)
-    if any(isinstance(p, Partial) for p in ps) and what != "distribute_tensor":
+    if any(isinstance(p, Partial) for p in ps):
         raise ShardingError(f"{what}: a new tensor cannot be Partial {ps}; create it Replicate and redistribute")
     meta = torch.empty(shape, dtype=dtype, device="meta")
     spec = Spec(shape, tuple(meta.stride()), dtype, ps, s.abstract)
@@ -101,18 +101,22 @@ def arange(start: float, end: float | None = None, step: float = 1, *, mesh: Any
 
 
 def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg = None) -> MeshTensor:
-    """A MeshTensor holding a copy of `tensor`'s data, each rank receiving only its own piece."""
+    """A MeshTensor holding a copy of `tensor`'s data, each rank receiving only its own piece.
+
+    A Partial placement keeps the data on the first rank of that dim (the others hold the reduction's
+    identity), as redistributing a replicated tensor to Partial does."""
     if isinstance(tensor, MeshTensor):
         return tensor.redistribute(placements or {})
     data = tensor.detach().clone()
+    ps = normalize(placements, session_of(mesh).abstract.names, data.ndim, "distribute_tensor")
+    whole = tuple(Replicate() if isinstance(p, Partial) else p for p in ps)
 
     def make(ctx: Emit, spec: Spec) -> Local:
         piece = data
         for d, (start, n) in enumerate(spec.bounds(ctx.coords)):
             piece = piece.narrow(d, start, n)
-        keep = all(c == 0 for p, c in zip(spec.placements, ctx.coords, strict=True) if isinstance(p, Partial))
-        return Local("monarch::constant", (piece.clone() if keep else torch.zeros_like(piece),), {}, ctx.out_ids)
-    t = _factory(mesh, tuple(data.shape), data.dtype, placements, make, "distribute_tensor")
+        return Local("monarch::constant", (piece.clone(),), {}, ctx.out_ids)
+    t = _factory(mesh, tuple(data.shape), data.dtype, whole, make, "distribute_tensor").redistribute(ps)
     if tensor.requires_grad:
         t.requires_grad_(True)
     return t
