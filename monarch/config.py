@@ -30,6 +30,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_SPIN_US", "50", "microseconds to busy-poll for the next message before sleeping (0: never)"),
     Flag("MONARCH_STRICT", "0", "1 raises UnsupportedOpError for an op with no sharding rule instead of "
          "running it replicated"),
+    Flag("MONARCH_WORKER_THREADS", "0", "torch intra-op threads per worker (0: the host's cores over its workers)"),
     Flag("MONARCH_FLUSH_OPS", "20000", "recorded ops after which the pending graph is shipped without a sync"),
 ]}
 
@@ -76,6 +77,10 @@ def spin_seconds() -> float:
 
 def strict() -> bool:
     return bool(_get("MONARCH_STRICT", _bool))
+
+
+def worker_threads() -> int:
+    return int(_get("MONARCH_WORKER_THREADS", int))  # type: ignore[arg-type]
 
 
 def flush_ops() -> int:

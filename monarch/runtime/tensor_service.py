@@ -5,7 +5,12 @@ group, and packs the reply of a synchronising program (the fetched value, or the
 """
 from __future__ import annotations
 
+import os
 from typing import Any
+
+import torch
+
+from monarch import config
 
 from monarch.runtime import codec
 from monarch.runtime.commands import RunProgram
@@ -17,6 +22,7 @@ from monarch.runtime.transport.mpi import MpiTransport
 class TensorService:
     def __init__(self, rank: int) -> None:
         self.rank = rank
+        torch.set_num_threads(threads_per_worker())
         self.engine = Engine(rank, MpiTransport(self._group))
         self._view: Shape | None = None
         self._coords: tuple[int, ...] = ()
@@ -48,3 +54,12 @@ class TensorService:
         except Exception as e:  # noqa: BLE001 - a remote error is the reply
             return False, codec.dumps(e)
         return True, codec.dumps_data(value)
+
+
+def threads_per_worker() -> int:
+    """MONARCH_WORKER_THREADS, else this host's cores shared among its workers (MPI_LOCALNRANKS)."""
+    n = config.worker_threads()
+    if n > 0:
+        return n
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("MPI_LOCALNRANKS", "1")))
