@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from monarch import config
+from monarch.graph.decompose import decomposition
 from monarch.graph.partition import RankProgram, partition
 from monarch.graph.trace import TracedGraph, Tracer
 from monarch.runtime import codec
@@ -41,6 +42,9 @@ class Session:
 
     # -- Backend ---------------------------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        parts = decomposition(func)
+        if parts is not None:
+            return parts(*args, **kwargs)
         if not _returns_tensors(func):  # item(), bool(t), torch.equal: a sync point, run on fetched data
             return func(*_on_controller(args), **_on_controller(kwargs))
         out = self.tracer.record(func, args, kwargs)
