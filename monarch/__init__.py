@@ -10,22 +10,25 @@ from importlib import import_module
 from typing import Any
 
 from monarch.errors import (ActorError, MeshError, MonarchError, RemoteError, ShapeError, ShardingError, SpawnError,
-                            SupervisionError, TransportError, UnsupportedOpError)
+                            SupervisionError, TraceError, TransportError, UnsupportedOpError)
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "MeshTensor": "monarch.tensor", "Shard": "monarch.tensor", "Replicate": "monarch.tensor",
     "Partial": "monarch.tensor", "Placement": "monarch.tensor",
-    "register_rule": "monarch.graph.rules", "manual_seed": "monarch.tensor.random",
+    "register_rule": "monarch.graph.rules", "compile": "monarch.runtime.compile",
+    "manual_seed": "monarch.tensor.random",
     **{name: "monarch.runtime.tensors" for name in (
         "distribute_tensor", "randn", "rand", "randint", "zeros", "ones", "full", "empty", "arange",
         "fetch", "synchronize", "explain", "local_map")},
+    **dict.fromkeys(("parallelize_module", "data_parallel", "full_state_dict", "ParallelStyle", "ColwiseParallel",
+                     "RowwiseParallel", "SequenceParallel"), "monarch.parallel"),
 }
 
 __all__ = [
     "ActorError", "MeshError", "MonarchError", "RemoteError", "ShapeError", "ShardingError", "SpawnError",
-    "SupervisionError", "TransportError", "UnsupportedOpError", "__version__", *_LAZY,
+    "SupervisionError", "TraceError", "TransportError", "UnsupportedOpError", "__version__", *_LAZY,
 ]
 
 

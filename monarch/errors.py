@@ -22,6 +22,10 @@ class ShapeError(ShardingError, RuntimeError):
     """An op got inputs whose global shapes or dtypes do not fit (raised on the controller, as torch would)."""
 
 
+class TraceError(MonarchError):
+    """A compiled step did something that cannot be recorded once and replayed (a sync point inside it)."""
+
+
 class UnsupportedOpError(MonarchError):
     """An op has no sharding rule and strict mode forbids the replicated fallback."""
 

@@ -43,7 +43,7 @@ def _name_in_base(name: str, known: set[str]) -> str | None:
 
 def _per_element(base: Any, inplace: bool, lists: frozenset[int], names: tuple[str | None, ...],
                  *args: Any, **kwargs: Any) -> Any:
-    n = len(args[0])
+    n = len(args[min(lists)])
     results = []
     for k in range(n):
         pos, kw = [], dict(kwargs)

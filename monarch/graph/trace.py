@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import itertools
 import operator
+import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +60,14 @@ class Recorded:
     view: bool    # the output aliases the first input
 
 
+@dataclass
+class Capture:
+    """What tracing a compiled step notes besides the graph: the objects that feed it and receive it."""
+    feeds: dict[int, int]                                   # id(plain tensor argument) -> argument slot
+    touched: list[weakref.ref] = field(default_factory=list)  # MeshTensors created or rebound meanwhile
+    sources: dict[int, weakref.ref] = field(default_factory=dict)  # placeholder id -> MeshTensor read
+
+
 @dataclass(frozen=True)
 class TracedGraph:
     """A closed pending graph: fx nodes carry `ids`, `specs`, `emit` and `local_args` in their meta."""
@@ -79,6 +88,10 @@ class TracedGraph:
         return "\n".join(lines)
 
 
+_META = torch.device("meta")  # output shapes are computed on meta tensors, whatever device an op names
+_EXTERNAL = fx.Graph().placeholder("external")  # the producer of buffers made by compiled programs
+
+
 class Tracer:
     """The pending graph of one mesh view."""
 
@@ -88,6 +101,7 @@ class Tracer:
         self.live: dict[int, int] = {}  # buffer id -> how many Values name it (a cached redistribution is shared)
         self.released: list[int] = []
         self.cache: dict[Any, Recorded] = {}
+        self.capture: Capture | None = None
         self._new_graph()
 
     def _new_graph(self) -> None:
@@ -110,7 +124,18 @@ class Tracer:
             self.released.append(id)
 
     def wrap(self, spec: Spec, node: fx.Node, id: int) -> MeshTensor:
-        return MeshTensor(spec, self.backend, self.new_value(node, id))
+        t = MeshTensor(spec, self.backend, self.new_value(node, id))
+        if self.capture is not None:
+            self.capture.touched.append(weakref.ref(t))
+        return t
+
+    def external(self, id: int) -> Value:
+        """A handle for a buffer a compiled program produced outside the pending graph."""
+        return self.new_value(_EXTERNAL, id)
+
+    def feed_slot(self, t: torch.Tensor) -> int | None:
+        """The argument slot of a plain tensor that a compiled step takes as input, if it is one."""
+        return None if self.capture is None else self.capture.feeds.get(id(t))
 
     def _node_of(self, t: MeshTensor) -> fx.Node:
         v: Value = t._handle
@@ -121,6 +146,8 @@ class Tracer:
             node = self.graph.create_node("placeholder", f"b{v.id}", name=f"b{v.id}")
             node.meta.update(ids=(v.id,), specs=(t._spec,), emit=None)
             self._inputs[v.id] = node
+            if self.capture is not None:
+                self.capture.sources[v.id] = weakref.ref(t)
         return node
 
     # -- recording -------------------------------------------------------------------------------
@@ -167,6 +194,8 @@ class Tracer:
                     f"{func.name()}: writing through a view whose base MeshTensor had to be redistributed "
                     f"(now {ins[0]._spec}) would not reach the base; redistribute the base first so the view "
                     "needs no data movement (e.g. to Replicate on the viewed dims), or use an out-of-place op")
+            if self.capture is not None:
+                self.capture.touched.append(weakref.ref(args[0]))
             return _rebind(args[0], outs[0])
         if entry.view and ins and (srcs[0][1] != ins[0]._handle.id or ins[0]._handle.copied_view):
             for o in outs:
@@ -181,12 +210,21 @@ class Tracer:
         if t is dict:
             return {k: self._constants(v) for k, v in obj.items()}
         if isinstance(obj, torch.Tensor) and t is not MeshTensor:
+            slot = self.feed_slot(obj)
             data = obj.detach().clone()
             spec = spec_of(data, (Replicate(),) * self.mesh.ndim, self.mesh)
+            if slot is not None:
+                return self.feed(spec, slot)
             node, ids = self.node(constant, (), (spec,),
                                   lambda ctx: [Local("monarch::constant", (data,), {}, ctx.out_ids)])
             return self.wrap(spec, node, ids[0])
         return obj
+
+    def feed(self, spec: Spec, slot: int) -> MeshTensor:
+        """A compiled step's plain tensor argument `slot`, placed as `spec`: each call sends its pieces."""
+        node, ids = self.node(feed, (), (spec,), _no_instructions)
+        node.meta["feed"] = slot
+        return self.wrap(spec, node, ids[0])
 
     def _moved(self, t: MeshTensor, want: Spec) -> tuple[fx.Node, int]:
         """The node and buffer holding `t` with `want`'s placements (redistributed when they differ)."""
@@ -204,7 +242,8 @@ class Tracer:
     def _analyze(self, func: Any, args: tuple, kwargs: dict, ins: list[MeshTensor]) -> Recorded:
         metas = iter([t._spec.meta() for t in ins])
         try:
-            result = func(*_substitute(args, metas), **_substitute(kwargs, metas))
+            meta_kwargs = {k: _META if isinstance(v, torch.device) else v for k, v in kwargs.items()}
+            result = func(*_substitute(args, metas), **_substitute(meta_kwargs, metas))
         except (RuntimeError, ValueError, IndexError, TypeError) as e:
             specs = ", ".join(repr(t._spec) for t in ins)
             raise ShapeError(f"{func.name()}: {e} (inputs: {specs}); plain torch rejects the same global "
@@ -219,6 +258,12 @@ class Tracer:
         view = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
         return Recorded(call, decide(call), build, writes_first_arg(func),
                         torch.Tag.nondeterministic_seeded in func.tags, view)
+
+    def take_released(self) -> tuple[int, ...]:
+        """Buffers released since the last flush, when nothing else is pending (they are freed at once)."""
+        assert not self.n_ops, "take_released with pending ops; flush first"
+        released, self.released = tuple(self.released), []
+        return released
 
     def take(self) -> TracedGraph:
         """Close the pending graph and start a new one."""
@@ -235,6 +280,15 @@ class _PlainTensor(Exception):
 def constant(x: Any) -> Any:
     """fx target of a node holding data shipped from the controller."""
     raise AssertionError("constant nodes are partitioned, never called")
+
+
+def feed(x: Any) -> Any:
+    """fx target of a node whose data each call of a compiled program brings."""
+    raise AssertionError("feed nodes are partitioned, never called")
+
+
+def _no_instructions(ctx: Emit) -> list[Instr]:
+    return []
 
 
 def redistribute(x: Any) -> Any:

@@ -77,6 +77,27 @@ class RunProgram:
 
 
 @dataclass(frozen=True)
+class InstallProgram:
+    """Keep a compiled rank program (pickled `shared` instructions with this rank's `patches`) as `pid`."""
+    pid: int
+    view: Shape
+    shared: bytes
+    patches: tuple[tuple[int, Any], ...]
+
+
+@dataclass(frozen=True)
+class InvokeProgram:
+    """Run installed program `pid` once, in a buffer namespace of its own: free `frees` first; it sees
+    this call's buffers under its input ids (`inputs`: (program id, buffer id) pairs) and `feeds`
+    under theirs; `outputs` says under which ids its results are kept."""
+    pid: int
+    inputs: tuple[tuple[int, int], ...]
+    outputs: tuple[tuple[int, int], ...]
+    feeds: tuple[tuple[int, Any], ...]
+    frees: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Stop:
     """Finish the queued work, close the connection and exit cleanly."""
 

@@ -119,6 +119,7 @@ class Mesh:
         self.stopping = False
         self.lost: dict[int, float] = {}  # rank -> deadline for its monitor's exit report
         self.stderr_tail: deque[str] = deque(maxlen=40)
+        self.frames = 0  # frames sent to its workers (one per worker per flush or compiled step)
 
     def coords(self, rank: int) -> str:
         return self.shape.point(rank).label() if 0 <= rank < len(self.shape) else "?"
@@ -195,6 +196,7 @@ class Controller:
             self._send_rank(mesh, r, frame)
 
     def _send_rank(self, mesh: Mesh, r: int, frame: bytes) -> None:
+        mesh.frames += 1
         conn = mesh.conns[r]
         try:
             assert conn is not None, f"rank {r} of {mesh.name} has no connection"

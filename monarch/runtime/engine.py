@@ -43,6 +43,21 @@ class Engine:
         for ins in instrs:
             HANDLERS[type(ins)](self, ins)
 
+    def bind(self, inputs: tuple[tuple[int, int], ...], feeds: tuple[tuple[int, Any], ...]) -> dict[int, Any]:
+        """Before an installed program runs: it gets a store of its own, holding this call's buffers
+        under its input ids (`inputs`: (program id, buffer id) pairs) and this rank's pieces of the
+        call's plain arguments under its feed ids. Returns the store to restore afterwards."""
+        outer = self.store
+        self.store = {p: outer[a] for p, a in inputs}
+        self.store.update(feeds)
+        return outer
+
+    def unbind(self, outputs: tuple[tuple[int, int], ...], outer: dict[int, Any]) -> None:
+        """After it ran: its results land in the outer store under this call's buffer ids."""
+        inner, self.store = self.store, outer
+        for p, a in outputs:
+            outer[a] = inner[p]
+
     # -- locals ----------------------------------------------------------------------------------
     def local(self, ins: Local) -> None:
         poison: list[Poison] = []

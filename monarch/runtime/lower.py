@@ -1,27 +1,26 @@
-"""Lowering: RankPrograms of the abstract mesh become RunProgram messages for a concrete mesh view.
+"""Lowering: RankPrograms of the abstract mesh become messages for the processes of a concrete mesh view.
 
 Programs come in row-major coordinate order, which is the order of the view's ranks; each rank gets
 one message per flush. Instructions every rank shares are pickled once into a blob that all messages
 carry; each message adds its rank's own instructions as patches. A synchronising flush asks every
 rank to reply: `fetch` maps the index of each rank that sends a buffer to that buffer's id (every rank
-reports its errors).
+reports its errors). A compiled program is installed the same way, once, under a program id.
 """
 from __future__ import annotations
 
 import operator
 
 from monarch.graph.partition import RankProgram
-from monarch.tensor.instr import Instr
 from monarch.runtime import codec
-from monarch.runtime.commands import RunProgram
+from monarch.runtime.commands import InstallProgram, RunProgram
 from monarch.runtime.shape import Shape
+from monarch.tensor.instr import Instr
+
+Patches = tuple[tuple[int, Instr], ...]
 
 
-def lower(programs: tuple[RankProgram, ...], view: Shape, call_id: int = 0,
-          fetch: dict[int, int] | None = None) -> dict[int, RunProgram]:
-    """Messages by world rank."""
-    ranks = view.ranks()
-    assert len(ranks) == len(programs), f"{len(programs)} programs for a view of {len(ranks)} ranks"
+def share(programs: tuple[RankProgram, ...]) -> tuple[bytes, list[Patches]]:
+    """The pickled instructions every rank has in common, and each rank's own ones."""
     first = programs[0].instrs
     assert all(len(p.instrs) == len(first) for p in programs), "rank programs differ in length"
     differs = [False] * len(first)
@@ -31,7 +30,25 @@ def lower(programs: tuple[RankProgram, ...], view: Shape, call_id: int = 0,
     shared: list[Instr | None] = list(first)
     for i in varying:
         shared[i] = None
-    blob = codec.dumps_data(tuple(shared))
+    return codec.dumps_data(tuple(shared)), [tuple((i, p.instrs[i]) for i in varying) for p in programs]
+
+
+def _ranks(programs: tuple[RankProgram, ...], view: Shape) -> list[int]:
+    ranks = view.ranks()
+    assert len(ranks) == len(programs), f"{len(programs)} programs for a view of {len(ranks)} ranks"
+    return ranks
+
+
+def lower(programs: tuple[RankProgram, ...], view: Shape, call_id: int = 0,
+          fetch: dict[int, int] | None = None) -> dict[int, RunProgram]:
+    """Messages by world rank."""
+    ranks = _ranks(programs, view)
+    blob, patches = share(programs)
     fetch = fetch or {}
-    return {r: RunProgram(view, blob, tuple((i, p.instrs[i]) for i in varying), call_id, fetch.get(n, 0))
-            for n, (r, p) in enumerate(zip(ranks, programs, strict=True))}
+    return {r: RunProgram(view, blob, patches[n], call_id, fetch.get(n, 0)) for n, r in enumerate(ranks)}
+
+
+def lower_install(pid: int, programs: tuple[RankProgram, ...], view: Shape) -> dict[int, InstallProgram]:
+    ranks = _ranks(programs, view)
+    blob, patches = share(programs)
+    return {r: InstallProgram(pid, view, blob, patches[n]) for n, r in enumerate(ranks)}

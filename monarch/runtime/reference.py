@@ -17,7 +17,7 @@ from monarch.runtime.engine import Engine
 from monarch.runtime.futures import CallState, Future
 from monarch.runtime.session import Fetch, Session, _synced
 from monarch.runtime.shape import MeshView, Shape
-from monarch.tensor.instr import Comm
+from monarch.tensor.instr import Comm, Free
 
 
 class LocalMesh(MeshView):
@@ -57,6 +57,23 @@ class ReferenceSession(Session):
             except Exception as e:  # noqa: BLE001
                 state.deliver(r, False, e)
         return Future(state, None, fetch.assemble if fetch else _synced)  # type: ignore[arg-type]
+
+    def invoke(self, pid: int, install: tuple[RankProgram, ...] | None, inputs: tuple[tuple[int, int], ...],
+               outputs: tuple[tuple[int, int], ...], feeds: list[tuple[tuple[int, Any], ...]],
+               frees: tuple[int, ...]) -> None:
+        if install is not None:
+            self._programs[pid] = install
+        programs = self._programs[pid]
+        self._count(programs)
+        outers = []
+        for eng, own in zip(self.engines, feeds, strict=True):
+            eng.free(Free(frees))
+            outers.append(eng.bind(inputs, own))
+        try:
+            run_lockstep(self.engines, programs, self.abstract.sizes, self._labels())
+        finally:
+            for eng, outer in zip(self.engines, outers, strict=True):
+                eng.unbind(outputs, outer)
 
     def _labels(self) -> list[str]:
         return [self.view.point(i).label() for i in range(len(self.view))]

@@ -8,6 +8,7 @@ errors are raised in rank order.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +18,12 @@ from monarch import config
 from monarch.graph.decompose import decomposition
 from monarch.graph.partition import RankProgram, partition
 from monarch.graph.trace import TracedGraph, Tracer
+from monarch.errors import TraceError
 from monarch.runtime import codec
+from monarch.runtime.commands import InvokeProgram
 from monarch.runtime.controller import controller
 from monarch.runtime.futures import CallState, Future
-from monarch.runtime.lower import lower
+from monarch.runtime.lower import lower, lower_install
 from monarch.tensor.instr import Comm
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
@@ -39,6 +42,9 @@ class Session:
         self.last: TracedGraph | None = None
         self.collectives: list[str] = []  # kind[dim] of every collective shipped, in order
         self.flush_ops = config.flush_ops()
+        self.capturing = False
+        _all.add(self)
+        self._programs: dict[int, tuple[RankProgram, ...]] = {}
 
     # -- Backend ---------------------------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -46,9 +52,10 @@ class Session:
         if parts is not None:
             return parts(*args, **kwargs)
         if not _returns_tensors(func):  # item(), bool(t), torch.equal: a sync point, run on fetched data
+            self._sync_point(func.name())
             return func(*_on_controller(args), **_on_controller(kwargs))
         out = self.tracer.record(func, args, kwargs)
-        if self.tracer.n_ops >= self.flush_ops:
+        if self.tracer.n_ops >= self.flush_ops and not self.capturing:
             self.flush()
         return out
 
@@ -66,8 +73,15 @@ class Session:
         return future
 
     # -- shipping --------------------------------------------------------------------------------
+    def _sync_point(self, what: str) -> None:
+        if self.capturing:
+            raise TraceError(f"{what} inside a monarch.compile'd step needs tensor values, which a compiled step "
+                             "does not have while it is recorded; move it out of the step (return the tensor and "
+                             "read it after the call), or call monarch.synchronize() outside the step")
+
     def flush(self, fetch: Fetch | None = None, sync: bool = False) -> Future[Any] | None:
         """Ship the pending graph; with `sync`, a Future of the fetched tensor (None without `fetch`)."""
+        self._sync_point("reading a tensor (item, full_tensor, print, fetch, synchronize)")
         traced = self.tracer.take()
         return self.ship(traced, partition(traced), fetch, sync)
 
@@ -82,6 +96,21 @@ class Session:
         ctl.send_each(self.mesh._mesh.id, {r: codec.encode_frame([m]) for r, m in msgs.items()}, call_id, state)
         self.flushes += 1
         return Future(state, ctl, fetch.assemble if fetch else _synced) if state is not None else None
+
+    def invoke(self, pid: int, install: tuple[RankProgram, ...] | None, inputs: tuple[tuple[int, int], ...],
+               outputs: tuple[tuple[int, int], ...], feeds: list[tuple[tuple[int, Any], ...]],
+               frees: tuple[int, ...]) -> None:
+        """Run compiled program `pid` (installing it first when `install` is given): one frame per worker."""
+        if install is not None:
+            self._programs[pid] = install
+        self._count(self._programs[pid])
+        installs = lower_install(pid, install, self.view) if install is not None else {}
+        frames = {}
+        for n, r in enumerate(self.view.ranks()):
+            msgs: list[Any] = [installs[r]] if installs else []
+            msgs.append(InvokeProgram(pid, inputs, outputs, feeds[n], frees))
+            frames[r] = codec.encode_frame(msgs)
+        controller().send_each(self.mesh._mesh.id, frames, 0, None)
 
     def _count(self, programs: tuple[RankProgram, ...]) -> None:
         names = self.abstract.names
@@ -144,6 +173,12 @@ class Fetch:
 
 
 _sessions: dict[tuple[int, Any], Session] = {}
+_all: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def all_sessions() -> list[Session]:
+    """Every live Session (proc mesh views and LocalMeshes)."""
+    return list(_all)
 
 
 def session_of(procs: Any) -> Session:

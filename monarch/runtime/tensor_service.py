@@ -13,10 +13,11 @@ import torch
 from monarch import config
 
 from monarch.runtime import codec
-from monarch.runtime.commands import RunProgram
+from monarch.runtime.commands import InstallProgram, InvokeProgram, RunProgram
 from monarch.runtime.engine import Engine
 from monarch.runtime.shape import Shape
 from monarch.runtime.transport.mpi import MpiTransport
+from monarch.tensor.instr import Free, Instr
 
 
 class TensorService:
@@ -27,6 +28,7 @@ class TensorService:
         self._view: Shape | None = None
         self._coords: tuple[int, ...] = ()
         self._places: dict[Shape, tuple[tuple[int, ...], str]] = {}
+        self.installed: dict[int, tuple[Shape, tuple[Instr, ...]]] = {}
 
     def _group(self, mdim: int) -> tuple[int, ...]:
         view, c = self._view, self._coords
@@ -40,13 +42,25 @@ class TensorService:
             hit = self._places[view] = (tuple(point.coords), point.label())
         return hit
 
+    def handle(self, msg: InstallProgram | InvokeProgram) -> None:
+        if type(msg) is InstallProgram:
+            self.installed[msg.pid] = (msg.view, assemble(msg.shared, msg.patches))
+            return
+        assert type(msg) is InvokeProgram
+        view, program = self.installed[msg.pid]
+        self.engine.free(Free(msg.frees))
+        self._view = view
+        self._coords, label = self._place(view)
+        outer = self.engine.bind(msg.inputs, msg.feeds)
+        try:
+            self.engine.run(program, self._coords, label)
+        finally:
+            self.engine.unbind(msg.outputs, outer)
+
     def run(self, msg: RunProgram) -> tuple[bool, bytes]:
         self._view = msg.view
         self._coords, label = self._place(msg.view)
-        instrs = list(codec.loads(msg.shared))
-        for i, ins in msg.patches:
-            instrs[i] = ins
-        self.engine.run(tuple(instrs), self._coords, label)
+        self.engine.run(assemble(msg.shared, msg.patches), self._coords, label)
         if not msg.call_id:
             return True, b""
         try:
@@ -54,6 +68,14 @@ class TensorService:
         except Exception as e:  # noqa: BLE001 - a remote error is the reply
             return False, codec.dumps(e)
         return True, codec.dumps_data(value)
+
+
+def assemble(shared: bytes, patches: tuple[tuple[int, Any], ...]) -> tuple[Instr, ...]:
+    """A rank's program: the instructions all ranks share with this rank's own ones patched in."""
+    instrs = list(codec.loads(shared))
+    for i, ins in patches:
+        instrs[i] = ins
+    return tuple(instrs)
 
 
 def threads_per_worker() -> int:

@@ -18,7 +18,8 @@ from typing import Any, Callable
 from monarch import config
 from monarch.errors import TransportError
 from monarch.runtime import codec
-from monarch.runtime.commands import CONTROLLER, Call, Forward, Reply, RunProgram, SpawnActor, Stop, Supervise
+from monarch.runtime.commands import (CONTROLLER, Call, Forward, InstallProgram, InvokeProgram, Reply, RunProgram,
+                                      SpawnActor, Stop, Supervise)
 from monarch.runtime.context import set_client
 from monarch.runtime.futures import CallState
 from monarch.runtime.hosting import HostedActor
@@ -44,7 +45,7 @@ class Worker:
         self._spin = AdaptiveSpin(config.spin_seconds())
         self._handlers: dict[type, Callable[[Any], None]] = {
             SpawnActor: self._spawn, Call: self._call, Reply: self._reply, Stop: self._stop, Supervise: self._supervise,
-            RunProgram: self._run_program,
+            RunProgram: self._run_program, InstallProgram: self._tensor_msg, InvokeProgram: self._tensor_msg,
         }
         self._tensors: Any = None  # the tensor engine, created (with torch) on the first RunProgram
 
@@ -142,11 +143,17 @@ class Worker:
             if state.done:
                 del self._pending[msg.call_id]
 
-    def _run_program(self, msg: RunProgram) -> None:
+    def _tensor_msg(self, msg: InstallProgram | InvokeProgram) -> None:
+        self._tensor_service().handle(msg)
+
+    def _tensor_service(self) -> Any:
         if self._tensors is None:
             from monarch.runtime.tensor_service import TensorService
             self._tensors = TensorService(self.rank)
-        reply = self._tensors.run(msg)
+        return self._tensors
+
+    def _run_program(self, msg: RunProgram) -> None:
+        reply = self._tensor_service().run(msg)
         if msg.call_id:
             ok, value = reply
             self._outbox.append(Reply(msg.call_id, CONTROLLER, self.rank, ok, value))

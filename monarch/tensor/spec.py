@@ -63,6 +63,12 @@ class Spec:
             n *= s
         return n
 
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash((self.shape, self.stride, self.dtype, self.placements, self.mesh))
+        return h
+
     def with_placements(self, placements: Placements) -> Spec:
         return Spec(self.shape, self.stride, self.dtype, placements, self.mesh)
 

@@ -1,0 +1,256 @@
+"""`monarch.compile`: a training step traced once into one graph, installed on the workers, replayed.
+
+A call with a new signature runs the step while recording it (a sync point inside raises TraceError),
+partitions the whole graph once, installs one program per rank and runs it. Later calls with the same
+signature send each worker one small message naming the program, the buffers it reads and the ones it
+writes, and return new lazy MeshTensors. The signature covers the tensor arguments' shapes, dtypes and
+placements, Python scalars, and the state of the optimizers and modules the step reaches; a change
+retraces (logged at debug level with the reason).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from monarch.errors import TraceError
+from monarch.graph.partition import partition
+from monarch.graph.trace import Capture
+from monarch.runtime.session import Session, all_sessions
+from monarch.tensor.meshtensor import MeshTensor
+from monarch.tensor.spec import Spec
+
+log = logging.getLogger("monarch.compile")
+_pids = itertools.count(1)
+SCALARS = (int, float, bool, str, type(None))
+_LEAVES = (torch.Tensor, *SCALARS)
+
+
+@dataclass
+class Program:
+    """One installed program and how a call binds to it."""
+    pid: int
+    session: Session
+    inputs: tuple[tuple[int, int | weakref.ref, Spec], ...]  # placeholder id, argument slot or the
+    #                                                          MeshTensor it was read from, its spec
+    outputs: tuple[tuple[int, weakref.ref], ...]       # produced id, the MeshTensor that keeps it
+    returns: tuple[tuple[int, Spec], ...]              # produced ids of the returned tensors
+    feeds: tuple[tuple[int, int, Spec], ...]           # feed id, argument slot, placement
+    spec: pytree.TreeSpec                              # structure of the return value
+
+    def stale(self, flat: list[Any]) -> str | None:
+        """Why the program no longer fits its inputs (None when it does)."""
+        for pid_, source, spec in self.inputs:
+            t = flat[source] if isinstance(source, int) else source()
+            if t is None:
+                return f"input buffer %{pid_} is gone"
+            if t._spec is not spec and t._spec != spec:
+                return f"input {spec} is now {t._spec}"
+        return None
+
+    def run(self, flat: list[Any]) -> Any:
+        s = self.session
+        if s.tracer.n_ops:
+            s.flush()  # work recorded between calls runs first
+        current = ((p, flat[src] if isinstance(src, int) else src()) for p, src, _ in self.inputs)
+        inputs = tuple((p, t._handle.id) for p, t in current if t is not None)
+        new = {p: next(s.tracer.ids) for p in itertools.chain((p for p, _ in self.outputs),
+                                                              (p for p, _ in self.returns))}
+        s.invoke(self.pid, None, inputs, tuple(new.items()), feed_pieces(self.feeds, flat, s),
+                 s.tracer.take_released())
+        for p, ref in self.outputs:
+            t = ref()
+            if t is not None:
+                t._handle = s.tracer.external(new[p])
+        outs = [MeshTensor(spec, s, s.tracer.external(new[p])) for p, spec in self.returns]
+        return pytree.tree_unflatten(outs, self.spec)
+
+
+def feed_pieces(feeds: tuple[tuple[int, int, Spec], ...], flat: list[Any],
+                s: Session) -> list[tuple[tuple[int, Any], ...]]:
+    """Per rank, its pieces of the plain tensor arguments."""
+    out = []
+    for coords in s.abstract.coords():
+        mine = []
+        for fid, slot, spec in feeds:
+            piece = flat[slot].detach()
+            for d, (start, n) in enumerate(spec.bounds(coords)):
+                piece = piece.narrow(d, start, n)
+            mine.append((fid, piece.clone()))
+        out.append(tuple(mine))
+    return out
+
+
+class CompiledStep:
+    """The callable `monarch.compile` returns; `traces` counts how often it recorded the step."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.cache: dict[Any, Program] = {}
+        self.traces = 0
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = list(args) if not kwargs and all(isinstance(a, _LEAVES) for a in args) else \
+            pytree.tree_flatten((args, kwargs))[0]
+        state = list(reachable(self.fn, flat))
+        for obj in state:
+            if isinstance(obj, torch.optim.Adam):
+                make_capturable(obj)
+        key = signature(flat, state)
+        program = self.cache.get(key)
+        why = "first call with this signature" if program is None else program.stale(flat)
+        if why is None:
+            assert program is not None
+            return program.run(flat)
+        log.debug("monarch.compile: tracing %s (%s)", getattr(self.fn, "__qualname__", self.fn), why)
+        program, result = self._trace(args, kwargs, flat)
+        self.cache[key] = program
+        return result
+
+    def _trace(self, args: tuple, kwargs: dict, flat: list[Any]) -> tuple[Program, Any]:
+        sessions = list(all_sessions())
+        for s in sessions:
+            if s.tracer.n_ops:
+                s.flush()
+        feeds = {id(t): i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and type(t) is not MeshTensor}
+        captures = {s: Capture(feeds) for s in sessions}
+        for s in sessions:
+            s.capturing, s.tracer.capture = True, captures[s]
+        try:
+            result = self.fn(*args, **kwargs)
+        finally:
+            for s in sessions:
+                s.capturing, s.tracer.capture = False, None
+        used = [s for s in sessions if s.tracer.n_ops]
+        if len(used) != 1:
+            raise TraceError(f"a monarch.compile'd step must compute on exactly one mesh; "
+                             f"{getattr(self.fn, '__qualname__', self.fn)} used {len(used)}")
+        self.traces += 1
+        return install(used[0], captures[used[0]], result, flat)
+
+
+def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Program, Any]:
+    """Close the recorded graph, install it as a program and run it for this call."""
+    returned, spec = pytree.tree_flatten(result)
+    if not all(isinstance(t, MeshTensor) for t in returned):
+        raise TraceError("a monarch.compile'd step may return only MeshTensors (or nested lists, tuples and "
+                         "dicts of them); return plain values from outside the step")
+    traced = s.tracer.take()
+    programs = partition(traced)
+    nodes = list(traced.graph.nodes)
+    produced = {i for n in nodes if n.op != "placeholder" for i in n.meta["ids"]}
+    slots = {t._handle.id: i for i, t in enumerate(flat) if isinstance(t, MeshTensor)}
+    inputs = tuple((i, slots.get(i, cap.sources[i]), n.meta["specs"][0])
+                   for n in nodes if n.op == "placeholder" for i in n.meta["ids"])
+    mine = {id(t) for t in returned}
+    outputs, seen = [], set()
+    for ref in cap.touched:
+        t = ref()
+        if t is not None and id(t) not in mine and t._handle.id in produced and t._handle.id not in seen:
+            seen.add(t._handle.id)
+            outputs.append((t._handle.id, weakref.ref(t)))
+    for t in returned:
+        if t._handle.id not in produced:
+            raise TraceError("a monarch.compile'd step returned one of its inputs unchanged; return only "
+                             "tensors the step computes")
+    feeds = tuple((n.meta["ids"][0], n.meta["feed"], n.meta["specs"][0]) for n in nodes if "feed" in n.meta)
+    program = Program(next(_pids), s, inputs, tuple(outputs), tuple((t._handle.id, t._spec) for t in returned),
+                      feeds, spec)
+    same = tuple((i, i) for i, _, _ in inputs)
+    kept = tuple((i, i) for i, _ in outputs) + tuple((i, i) for i, _ in program.returns)
+    s.invoke(program.pid, programs, same, kept, feed_pieces(feeds, flat, s), ())
+    # buffers released while tracing live outside the program's own namespace: free them after it ran
+    s.tracer.released.extend(i for i in traced.released if i not in produced)
+    return program, result
+
+
+def signature(flat: list[Any], state: list[Any]) -> tuple[Any, ...]:
+    """What a cached program depends on besides the buffers it reads."""
+    parts: list[Any] = []
+    for a in flat:
+        if isinstance(a, MeshTensor):
+            parts.append(("mesh", a._spec, id(a._backend)))
+        elif isinstance(a, torch.Tensor):
+            parts.append(("tensor", tuple(a.shape), a.dtype))
+        elif isinstance(a, SCALARS):
+            parts.append((type(a), a))
+        else:
+            parts.append(("object", id(a)))
+    for obj in state:
+        parts.append(_state_of(obj))
+    return tuple(parts)
+
+
+def _state_of(obj: Any) -> Any:
+    if isinstance(obj, torch.optim.Optimizer):
+        groups = tuple(tuple((k, v) for k, v in g.items() if k != "params" and isinstance(v, (*SCALARS, tuple)))
+                       for g in obj.param_groups)
+        params = tuple((p.grad is None, tuple(sorted(obj.state.get(p, {}))),
+                        tuple(type(v).__name__ for v in obj.state.get(p, {}).values()))
+                       for g in obj.param_groups for p in g["params"])
+        return ("optimizer", id(obj), groups, params)
+    return ("module", id(obj), obj.training, tuple(p.grad is None for p in obj.parameters()))
+
+
+def reachable(fn: Callable[..., Any], flat: list[Any]) -> Iterator[Any]:
+    """Optimizers and modules the step can reach: arguments, closure cells and globals it names."""
+    seen: set[int] = set()
+    candidates = list(flat)
+    candidates += [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+    code, env = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    if code is not None:
+        candidates += [env[n] for n in code.co_names if n in env]
+    if hasattr(fn, "__self__"):
+        candidates.append(fn.__self__)
+    for obj in candidates:
+        if isinstance(obj, (torch.optim.Optimizer, torch.nn.Module)) and id(obj) not in seen:
+            seen.add(id(obj))
+            yield obj
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def make_capturable(opt: torch.optim.Adam) -> None:
+    """Adam keeps its step count on the controller unless capturable; a compiled step needs it as a
+    replicated MeshTensor, so that bias corrections are computed by the program, not baked into it."""
+    from monarch.runtime.tensors import distribute_tensor
+    _allow_cpu_capturable()
+    for group in opt.param_groups:
+        params = [p for p in group["params"] if isinstance(p, MeshTensor)]
+        if not params:
+            continue
+        group["capturable"] = True
+        for p in params:
+            st = opt.state.get(p)
+            if st and "step" in st and not isinstance(st["step"], MeshTensor):
+                st["step"] = distribute_tensor(st["step"].to(torch.float32), p.mesh)
+
+
+@functools.cache
+def _allow_cpu_capturable() -> None:
+    """MeshTensors report device cpu; let capturable Adam accept it (its steps are MeshTensors)."""
+    import torch.optim.adam as adam
+    base = adam._get_capturable_supported_devices
+
+    def supported(*a: Any, **kw: Any) -> list[str]:
+        return [*base(*a, **kw), "cpu"]
+    adam._get_capturable_supported_devices = supported  # type: ignore[assignment]
+
+
+def compile(fn: Callable[..., Any]) -> CompiledStep:  # noqa: A001 - the public name is monarch.compile
+    """Trace `fn` once per signature into one program per rank; later calls replay it."""
+    return CompiledStep(fn)
