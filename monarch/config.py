@@ -31,6 +31,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_STRICT", "0", "1 raises UnsupportedOpError for an op with no sharding rule instead of "
          "running it replicated"),
     Flag("MONARCH_WORKER_THREADS", "0", "torch intra-op threads per worker (0: the host's cores over its workers)"),
+    Flag("MONARCH_BUCKET_BYTES", str(4 << 20), "compiled steps: all_reduces start early and share buckets up to "
+         "this size (0: run them where they are, blocking)"),
     Flag("MONARCH_FLUSH_OPS", "20000", "recorded ops after which the pending graph is shipped without a sync"),
 ]}
 
@@ -81,6 +83,10 @@ def strict() -> bool:
 
 def worker_threads() -> int:
     return int(_get("MONARCH_WORKER_THREADS", int))  # type: ignore[arg-type]
+
+
+def bucket_bytes() -> int:
+    return int(_get("MONARCH_BUCKET_BYTES", int))  # type: ignore[arg-type]
 
 
 def flush_ops() -> int:

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from monarch import config
 from monarch.errors import TraceError
 from monarch.graph.partition import partition
+from monarch.graph.schedule import overlap
 from monarch.graph.trace import Capture
 from monarch.runtime.session import Session, all_sessions
 from monarch.tensor.meshtensor import MeshTensor
@@ -145,6 +147,8 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Pro
                          "dicts of them); return plain values from outside the step")
     traced = s.tracer.take()
     programs = partition(traced)
+    if config.bucket_bytes() > 0:
+        programs = overlap(programs, config.bucket_bytes())
     nodes = list(traced.graph.nodes)
     produced = {i for n in nodes if n.op != "placeholder" for i in n.meta["ids"]}
     slots = {t._handle.id: i for i, t in enumerate(flat) if isinstance(t, MeshTensor)}

@@ -7,6 +7,7 @@ running, collectives still take part (with zeros) so that no peer hangs, and the
 from __future__ import annotations
 
 import traceback
+from math import prod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 
 from monarch.errors import RemoteError
 from monarch.runtime.kernels import KERNELS
-from monarch.tensor.instr import Buf, Comm, Free, Instr, Local
+from monarch.tensor.instr import Buf, Comm, Free, Instr, Local, Start, Wait
 
 Transport = Callable[[Comm, torch.Tensor], torch.Tensor]
 
@@ -36,6 +37,7 @@ class Engine:
         self.transport = transport
         self.store: dict[int, Any] = {}
         self.errors: list[RemoteError] = []
+        self.pending: dict[tuple[int, ...], tuple[Start, Callable[[], torch.Tensor]]] = {}
 
     def run(self, instrs: tuple[Instr, ...], coords: tuple[int, ...], label: str) -> None:
         """Run one rank program; `coords` is this rank's point in the mesh view the program is for."""
@@ -125,6 +127,32 @@ class Engine:
             return
         self.comm_output(ins, out)
 
+    def bucket_input(self, ins: Start) -> torch.Tensor:
+        """The bucket's buffers flattened into one (zeros for poisoned ones)."""
+        parts = []
+        for s, shape in zip(ins.srcs, ins.shapes, strict=True):
+            x = self.store[s]
+            parts.append((torch.zeros(shape, dtype=ins.dtype) if type(x) is Poison else x).reshape(-1))
+        return torch.cat(parts)
+
+    def bucket_output(self, ins: Start, flat: torch.Tensor) -> None:
+        at = 0
+        for s, o, shape in zip(ins.srcs, ins.outs, ins.shapes, strict=True):
+            n = prod(shape)
+            x = self.store.get(s)
+            self.store[o] = x if type(x) is Poison else flat[at:at + n].view(shape)
+            at += n
+
+    def start(self, ins: Start) -> None:
+        assert self.transport is not None, "this engine has no transport"
+        self.pending[ins.outs] = (ins, self.transport.start(ins, self.bucket_input(ins)))
+
+    def wait(self, ins: Wait) -> None:
+        entry = self.pending.pop(ins.outs, None)
+        if entry is not None:  # (the reference mesh finishes a bucket at its Start)
+            start, finish = entry
+            self.bucket_output(start, finish())
+
     def free(self, ins: Free) -> None:
         for i in ins.ids:
             self.store.pop(i, None)
@@ -160,4 +188,5 @@ def kernel(name: str) -> Callable[..., Any]:
     return fn
 
 
-HANDLERS: dict[type, Callable[[Engine, Any], None]] = {Local: Engine.local, Comm: Engine.comm, Free: Engine.free}
+HANDLERS: dict[type, Callable[[Engine, Any], None]] = {
+    Local: Engine.local, Comm: Engine.comm, Free: Engine.free, Start: Engine.start, Wait: Engine.wait}

@@ -17,7 +17,23 @@ from monarch.runtime.engine import Engine
 from monarch.runtime.futures import CallState, Future
 from monarch.runtime.session import Fetch, Session, _synced
 from monarch.runtime.shape import MeshView, Shape
-from monarch.tensor.instr import Comm, Free
+from monarch.tensor.instr import Comm, Free, Start
+
+
+def _bucket(engines: list[Engine], programs: tuple[RankProgram, ...], i: int, sizes: tuple[int, ...],
+            index: dict[tuple[int, ...], int]) -> None:
+    """A bucketed Start, finished at once for every group (its Wait then has nothing left to do)."""
+    done: set[tuple[int, ...]] = set()
+    for p in programs:
+        if p.coords in done:
+            continue
+        d = cast(Start, p.instrs[i]).mdim
+        members = [p.coords[:d] + (k,) + p.coords[d + 1:] for k in range(sizes[d])]
+        done.update(members)
+        starts = [cast(Start, programs[index[c]].instrs[i]) for c in members]
+        parts = [engines[index[c]].bucket_input(s) for c, s in zip(members, starts, strict=True)]
+        for c, s, out in zip(members, starts, RUN["all_reduce"](parts, starts[0]), strict=True):
+            engines[index[c]].bucket_output(s, out)
 
 
 class LocalMesh(MeshView):
@@ -89,6 +105,9 @@ def run_lockstep(engines: list[Engine], programs: tuple[RankProgram, ...], sizes
     index = {p.coords: i for i, p in enumerate(programs)}
     for i in range(lengths.pop()):
         first = programs[0].instrs[i]
+        if isinstance(first, Start):
+            _bucket(engines, programs, i, sizes, index)
+            continue
         if not isinstance(first, Comm):
             for eng, p in zip(engines, programs, strict=True):
                 eng.run((p.instrs[i],), p.coords, eng.label)

@@ -24,7 +24,7 @@ from monarch.runtime.commands import InvokeProgram
 from monarch.runtime.controller import controller
 from monarch.runtime.futures import CallState, Future
 from monarch.runtime.lower import lower, lower_install
-from monarch.tensor.instr import Comm
+from monarch.tensor.instr import Comm, Start
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
 from monarch.tensor.spec import AbstractMesh, Spec
@@ -114,7 +114,11 @@ class Session:
 
     def _count(self, programs: tuple[RankProgram, ...]) -> None:
         names = self.abstract.names
-        self.collectives.extend(f"{i.kind}[{names[i.mdim]}]" for i in programs[0].instrs if isinstance(i, Comm))
+        for i in programs[0].instrs:
+            if isinstance(i, Comm):
+                self.collectives.append(f"{i.kind}[{names[i.mdim]}]")
+            elif isinstance(i, Start):
+                self.collectives.append(f"all_reduce[{names[i.mdim]}]")
 
     def synchronize(self, timeout: float | None = None) -> None:
         future = self.flush(sync=True)

@@ -78,4 +78,36 @@ class Free:
         return "free " + ", ".join(repr(Buf(i)) for i in self.ids)
 
 
-Instr = Union[Local, Comm, Free]
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Begin one all_reduce over mesh dim `mdim` of the buffers `srcs` (a bucket: flattened together)
+    without waiting; the matching Wait stores the results under `outs`. `shapes` are the local shapes."""
+    srcs: tuple[int, ...]
+    outs: tuple[int, ...]
+    mdim: int
+    op: str
+    dtype: torch.dtype
+    shapes: tuple[tuple[int, ...], ...]
+
+    def __reduce__(self) -> tuple:
+        return (Start, (self.srcs, self.outs, self.mdim, self.op, self.dtype, self.shapes))
+
+    def __repr__(self) -> str:
+        outs = ", ".join(repr(Buf(o)) for o in self.outs)
+        srcs = ", ".join(repr(Buf(s)) for s in self.srcs)
+        return f"start {outs} = all_reduce({srcs}, {self.op}, mdim={self.mdim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Finish the Start whose outputs are `outs`."""
+    outs: tuple[int, ...]
+
+    def __reduce__(self) -> tuple:
+        return (Wait, (self.outs,))
+
+    def __repr__(self) -> str:
+        return "wait " + ", ".join(repr(Buf(o)) for o in self.outs)
+
+
+Instr = Union[Local, Comm, Free, Start, Wait]

@@ -14,7 +14,7 @@ from math import prod
 import torch
 from mpi4py import MPI
 
-from monarch.tensor.instr import Comm
+from monarch.tensor.instr import Comm, Start
 from monarch.tensor.placement import chunk
 
 OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
@@ -40,6 +40,16 @@ class MpiTransport:
     def __call__(self, ins: Comm, x: torch.Tensor) -> torch.Tensor:
         comm = self.comm_for(self.group_of(ins.mdim))
         return KINDS[ins.kind](comm, ins, x)
+
+    def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Begin a non-blocking all_reduce of a flat bucket; the returned callable waits for it."""
+        buf, back = _reducible(flat)
+        req = self.comm_for(self.group_of(ins.mdim)).Iallreduce(MPI.IN_PLACE, _np(buf), op=OPS[ins.op])
+
+        def finish() -> torch.Tensor:
+            req.Wait()
+            return buf.to(back) if back is not None else buf
+        return finish
 
 
 def _np(t: torch.Tensor):  # noqa: ANN202 - a numpy view of a contiguous tensor's memory
