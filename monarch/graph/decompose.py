@@ -49,9 +49,10 @@ def _per_element(base: Any, inplace: bool, lists: frozenset[int], names: tuple[s
         pos, kw = [], dict(kwargs)
         for i, a in enumerate(args):
             v = a[k] if i in lists else a
-            if names[i] is None:
+            name = names[i]
+            if name is None:
                 pos.append(v)
             else:
-                kw[names[i]] = v
+                kw[name] = v
         results.append(base(*pos, **kw))
     return None if inplace else results

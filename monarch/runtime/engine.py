@@ -10,7 +10,7 @@ import traceback
 from math import prod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -18,7 +18,13 @@ from monarch.errors import RemoteError
 from monarch.runtime.kernels import KERNELS
 from monarch.tensor.instr import Buf, Comm, Free, Instr, Local, Start, Wait
 
-Transport = Callable[[Comm, torch.Tensor], torch.Tensor]
+
+class Transport(Protocol):
+    """Runs this rank's part of a collective (blocking), or starts a bucketed all_reduce."""
+
+    def __call__(self, ins: Comm, x: torch.Tensor) -> torch.Tensor: ...
+
+    def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
