@@ -28,19 +28,6 @@ from monarch.tensor.placement import Placement, Replicate, Shard, normalize
 Memo = dict[int, tuple[torch.Tensor, torch.Tensor]]  # id(old tensor) -> (old, its MeshTensor replacement)
 
 
-class _Redistribute(torch.autograd.Function):
-    """A MeshTensor with new placements; its gradient passes through unchanged (a global tensor's
-    values do not depend on its placements, so any placement of the gradient is correct)."""
-
-    @staticmethod
-    def forward(ctx: Any, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
-        return t.redistribute(placements)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 def on_dim(t: Any, dim: str, placement: Placement | None) -> Any:
     """`t` redistributed to `placement` over mesh dim `dim`, the other mesh dims unchanged (differentiable).
 
@@ -53,7 +40,7 @@ def on_dim(t: Any, dim: str, placement: Placement | None) -> Any:
     target_t = normalize(target, names, t.ndim, f"redistribute over {dim!r}")
     if target_t == t.placements:
         return t
-    return _Redistribute.apply(t, target_t)
+    return t.redistribute(target_t)
 
 
 def check_dim(dim: str, names: Sequence[str], what: str) -> None:

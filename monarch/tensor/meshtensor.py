@@ -65,7 +65,9 @@ class MeshTensor(torch.Tensor):
     def redistribute(self, placements: Mapping[str, Placement] | Sequence[Placement]) -> MeshTensor:
         """The same global tensor with new placements (collectives run on the workers)."""
         target = normalize(placements, self._spec.mesh.names, self.ndim, "redistribute")
-        return self._backend.redistribute(self, target)
+        if target == self._spec.placements:
+            return self
+        return _Redistribute.apply(self, target)
 
     # -- sync points -----------------------------------------------------------------------------
     def full_tensor(self, timeout: float | None = None) -> torch.Tensor:
@@ -93,6 +95,19 @@ class MeshTensor(torch.Tensor):
     def __reduce_ex__(self, proto: Any) -> Any:
         raise ShardingError("a MeshTensor cannot be pickled; call .full_tensor() to get its data, or pass it "
                             "to a compiled function instead of an actor endpoint")
+
+
+class _Redistribute(torch.autograd.Function):
+    """Redistribution as an autograd op: the gradient passes through as it is (a global tensor's values
+    do not depend on its placements, so the gradient's own placements are as good as any)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
+        return t._backend.redistribute(t, placements)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def _backend_of(args: tuple, kwargs: dict | None) -> Backend:
