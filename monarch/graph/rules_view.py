@@ -241,3 +241,16 @@ def select_split(call: OpCall, mdim: int) -> list[Strategy]:
     drops = call.op in DROPS
     dim = call.arg(1 if drops else 2, "dim", 0) % x.ndim
     return follow(call, mdim, kept(x.ndim, dim, drops))
+
+
+# -- slice_backward / select_backward: a gradient placed into zeros of the input's shape --------------
+@register_rule(aten.slice_backward.default, aten.select_backward.default)
+def placed_back(call: OpCall, mdim: int) -> list[Strategy]:
+    """Every dim but `dim` keeps the gradient's shard; the zeros are sized per rank."""
+    out = call.outs[0]
+    dim = call.arg(2, "dim") % out.ndim
+    if call.op is aten.select_backward.default:
+        dims = {k: k + (k >= dim) for k in range(call.ins[0].ndim)}
+    else:
+        dims = {k: k for k in range(out.ndim) if k != dim}
+    return follow(call, mdim, dims, resized)
