@@ -6,7 +6,7 @@ node that reads it.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -31,6 +31,7 @@ def partition(traced: TracedGraph) -> tuple[RankProgram, ...]:
     coords = list(traced.mesh.coords())
     programs: list[list[Instr]] = [[] for _ in coords]
     dead = dead_after(traced)
+    base = 0  # temporaries get negative ids, unique in the program and the same on every rank
     for node in traced.graph.nodes:
         emit = node.meta.get("emit")
         if emit is Emit.default:
@@ -38,8 +39,12 @@ def partition(traced: TracedGraph) -> tuple[RankProgram, ...]:
             for prog in programs:
                 prog.append(shared)
         elif emit is not None:
+            used = 0
             for prog, c in zip(programs, coords, strict=True):
-                prog.extend(_emit(node, c))
+                instrs, n = _emit(node, c, base)
+                prog.extend(instrs)
+                used = max(used, n)
+            base += used
         frees = dead.get(node)
         if frees:
             free = Free(frees)
@@ -51,21 +56,18 @@ def partition(traced: TracedGraph) -> tuple[RankProgram, ...]:
     return tuple(RankProgram(c, tuple(head + p)) for c, p in zip(coords, programs, strict=True))
 
 
-def _emit(node: fx.Node, coords: tuple[int, ...]) -> list[Instr]:
-    temps = _temps()
+def _emit(node: fx.Node, coords: tuple[int, ...], base: int) -> tuple[list[Instr], int]:
+    """One rank's instructions for a node, its temporaries numbered from -(base + 1) down, freed at
+    the end; and how many temporaries it used."""
+    temps = itertools.count(base + 1)
     m = node.meta
     ctx = Emit(m["call"], m["in_specs"], m["specs"], coords, m["local_args"], m["local_kwargs"], m["ids"],
-               lambda: next(temps), m.get("seed", 0))
+               lambda: -next(temps), m.get("seed", 0))
     instrs = list(m["emit"](ctx))
-    used = [i for ins in instrs for i in _outs(ins) if i < 0]
-    return instrs + [Free(tuple(sorted(set(used))))] if used else instrs
-
-
-def _temps() -> Iterator[int]:
-    n = 0
-    while True:
-        n -= 1
-        yield n
+    used = sorted({i for ins in instrs for i in _outs(ins) if i < 0}, reverse=True)
+    if not used:
+        return instrs, 0
+    return instrs + [Free(tuple(used))], -used[-1] - base
 
 
 def _outs(ins: Instr) -> tuple[int, ...]:

@@ -63,7 +63,6 @@ class Recorded:
 @dataclass
 class Capture:
     """What tracing a compiled step notes besides the graph: the objects that feed it and receive it."""
-    feeds: dict[int, int]                                   # id(plain tensor argument) -> argument slot
     touched: list[weakref.ref] = field(default_factory=list)  # MeshTensors created or rebound meanwhile
     sources: dict[int, weakref.ref] = field(default_factory=dict)  # placeholder id -> MeshTensor read
 
@@ -132,10 +131,6 @@ class Tracer:
     def external(self, id: int) -> Value:
         """A handle for a buffer a compiled program produced outside the pending graph."""
         return self.new_value(_EXTERNAL, id)
-
-    def feed_slot(self, t: torch.Tensor) -> int | None:
-        """The argument slot of a plain tensor that a compiled step takes as input, if it is one."""
-        return None if self.capture is None else self.capture.feeds.get(id(t))
 
     def _node_of(self, t: MeshTensor) -> fx.Node:
         v: Value = t._handle
@@ -210,18 +205,15 @@ class Tracer:
         if t is dict:
             return {k: self._constants(v) for k, v in obj.items()}
         if isinstance(obj, torch.Tensor) and t is not MeshTensor:
-            slot = self.feed_slot(obj)
             data = obj.detach().clone()
             spec = spec_of(data, (Replicate(),) * self.mesh.ndim, self.mesh)
-            if slot is not None:
-                return self.feed(spec, slot)
             node, ids = self.node(constant, (), (spec,),
                                   lambda ctx: [Local("monarch::constant", (data,), {}, ctx.out_ids)])
             return self.wrap(spec, node, ids[0])
         return obj
 
     def feed(self, spec: Spec, slot: int) -> MeshTensor:
-        """A compiled step's plain tensor argument `slot`, placed as `spec`: each call sends its pieces."""
+        """A compiled step's plain tensor argument `slot`, placed as `spec`: each call sends its data."""
         node, ids = self.node(feed, (), (spec,), _no_instructions)
         node.meta["feed"] = slot
         return self.wrap(spec, node, ids[0])

@@ -27,7 +27,8 @@ from monarch.graph.schedule import overlap
 from monarch.graph.trace import Capture
 from monarch.runtime.session import Session, all_sessions
 from monarch.tensor.meshtensor import MeshTensor
-from monarch.tensor.spec import Spec
+from monarch.tensor.placement import Replicate
+from monarch.tensor.spec import Spec, spec_of
 
 log = logging.getLogger("monarch.compile")
 _pids = itertools.count(1)
@@ -113,17 +114,20 @@ class CompiledStep:
             assert program is not None
             return program.run(flat)
         log.debug("monarch.compile: tracing %s (%s)", getattr(self.fn, "__qualname__", self.fn), why)
-        program, result = self._trace(args, kwargs, flat)
+        program, result = self._trace(args, kwargs, flat, home(flat, state))
         self.cache[key] = program
         return result
 
-    def _trace(self, args: tuple, kwargs: dict, flat: list[Any]) -> tuple[Program, Any]:
+    def _trace(self, args: tuple, kwargs: dict, flat: list[Any], target: Session) -> tuple[Program, Any]:
+        """Run the step while recording. Plain tensor arguments enter as replicated MeshTensors that
+        each call fills (the step's own code then shards them, e.g. data_parallel's input hook)."""
         sessions = list(all_sessions())
         for s in sessions:
             if s.tracer.n_ops:
                 s.flush()
-        feeds = {id(t): i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and type(t) is not MeshTensor}
-        captures = {s: Capture(feeds) for s in sessions}
+        fed = [target.tracer.feed(_replicated(t, target), i) if _plain(t) else t for i, t in enumerate(flat)]
+        args, kwargs = pytree.tree_unflatten(fed, pytree.tree_flatten((args, kwargs))[1])
+        captures = {s: Capture() for s in sessions}
         for s in sessions:
             s.capturing, s.tracer.capture = True, captures[s]
         try:
@@ -132,11 +136,37 @@ class CompiledStep:
             for s in sessions:
                 s.capturing, s.tracer.capture = False, None
         used = [s for s in sessions if s.tracer.n_ops]
-        if len(used) != 1:
-            raise TraceError(f"a monarch.compile'd step must compute on exactly one mesh; "
-                             f"{getattr(self.fn, '__qualname__', self.fn)} used {len(used)}")
+        if used != [target]:
+            raise TraceError(f"a monarch.compile'd step must compute on one mesh, that of its arguments, "
+                             f"parameters or optimizer; {getattr(self.fn, '__qualname__', self.fn)} used "
+                             f"{[s.mesh for s in used]}")
         self.traces += 1
-        return install(used[0], captures[used[0]], result, flat)
+        return install(target, captures[target], result, flat)
+
+
+def _plain(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and type(t) is not MeshTensor
+
+
+def _replicated(t: torch.Tensor, s: Session) -> Spec:
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return spec_of(meta, (Replicate(),) * s.abstract.ndim, s.abstract)
+
+
+def home(flat: list[Any], state: list[Any]) -> Session:
+    """The session a step computes on: its MeshTensor arguments', else its parameters' (modules and
+    optimizers it reaches), else the only mesh there is."""
+    params = (p for obj in state for p in (obj.parameters() if isinstance(obj, torch.nn.Module) else
+                                           (q for g in obj.param_groups for q in g["params"])))
+    for t in itertools.chain(flat, params):
+        if isinstance(t, MeshTensor):
+            assert isinstance(t._backend, Session)
+            return t._backend
+    live = all_sessions()
+    if len(live) == 1:
+        return live[0]
+    raise TraceError("monarch.compile cannot tell which mesh the step runs on: pass a MeshTensor argument, or "
+                     "use modules or optimizers whose parameters are MeshTensors")
 
 
 def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Program, Any]:

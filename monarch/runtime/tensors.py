@@ -110,11 +110,6 @@ def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg
     s = session_of(mesh)
     ps = normalize(placements, s.abstract.names, tensor.ndim, "distribute_tensor")
     whole = tuple(Replicate() if isinstance(p, Partial) else p for p in ps)
-    slot = s.tracer.feed_slot(tensor)
-    if slot is not None:  # an argument of a compiled step: each call brings its data
-        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-        spec = Spec(tuple(tensor.shape), tuple(meta.stride()), tensor.dtype, whole, s.abstract)
-        return s.tracer.feed(spec, slot).redistribute(ps)
     data = tensor.detach().clone()
 
     def make(ctx: Emit, spec: Spec) -> Local:
