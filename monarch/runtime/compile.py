@@ -25,7 +25,9 @@ from monarch.errors import TraceError
 from monarch.graph.partition import partition
 from monarch.graph.schedule import overlap
 from monarch.graph.trace import Capture
-from monarch.runtime.session import Session, all_sessions
+from monarch.runtime.session import Session, all_sessions, session_of
+from monarch.runtime.procs import ProcMesh
+from monarch.runtime.reference import LocalMesh
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Replicate
 from monarch.tensor.spec import Spec, spec_of
@@ -114,7 +116,7 @@ class CompiledStep:
             assert program is not None
             return program.run(flat)
         log.debug("monarch.compile: tracing %s (%s)", getattr(self.fn, "__qualname__", self.fn), why)
-        program, result = self._trace(args, kwargs, flat, home(flat, state))
+        program, result = self._trace(args, kwargs, flat, home(near(self.fn, flat), state))
         self.cache[key] = program
         return result
 
@@ -153,15 +155,17 @@ def _replicated(t: torch.Tensor, s: Session) -> Spec:
     return spec_of(meta, (Replicate(),) * s.abstract.ndim, s.abstract)
 
 
-def home(flat: list[Any], state: list[Any]) -> Session:
-    """The session a step computes on: its MeshTensor arguments', else its parameters' (modules and
-    optimizers it reaches), else the only mesh there is."""
+def home(near: list[Any], state: list[Any]) -> Session:
+    """The session a step computes on: that of the MeshTensors or meshes it reaches (arguments first),
+    else of its parameters (modules and optimizers it reaches), else the only mesh there is."""
     params = (p for obj in state for p in (obj.parameters() if isinstance(obj, torch.nn.Module) else
                                            (q for g in obj.param_groups for q in g["params"])))
-    for t in itertools.chain(flat, params):
+    for t in itertools.chain(near, params):
         if isinstance(t, MeshTensor):
             assert isinstance(t._backend, Session)
             return t._backend
+        if isinstance(t, (ProcMesh, LocalMesh)):
+            return session_of(t)
     live = all_sessions()
     if len(live) == 1:
         return live[0]
@@ -234,9 +238,8 @@ def _state_of(obj: Any) -> Any:
     return ("module", id(obj), obj.training, tuple(p.grad is None for p in obj.parameters()))
 
 
-def reachable(fn: Callable[..., Any], flat: list[Any]) -> Iterator[Any]:
-    """Optimizers and modules the step can reach: arguments, closure cells and globals it names."""
-    seen: set[int] = set()
+def near(fn: Callable[..., Any], flat: list[Any]) -> list[Any]:
+    """What the step can reach: its arguments, closure cells and the globals it names."""
     candidates = list(flat)
     candidates += [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
     code, env = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
@@ -244,7 +247,13 @@ def reachable(fn: Callable[..., Any], flat: list[Any]) -> Iterator[Any]:
         candidates += [env[n] for n in code.co_names if n in env]
     if hasattr(fn, "__self__"):
         candidates.append(fn.__self__)
-    for obj in candidates:
+    return candidates
+
+
+def reachable(fn: Callable[..., Any], flat: list[Any]) -> Iterator[Any]:
+    """The optimizers and modules the step can reach."""
+    seen: set[int] = set()
+    for obj in near(fn, flat):
         if isinstance(obj, (torch.optim.Optimizer, torch.nn.Module)) and id(obj) not in seen:
             seen.add(id(obj))
             yield obj
