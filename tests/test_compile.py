@@ -186,3 +186,27 @@ def test_a_replayed_step_sends_one_frame_per_worker(procs) -> None:
     want, _ = plain_run(torch.optim.AdamW, {"lr": 0.01}, 8)
     torch.testing.assert_close([monarch.fetch(t).get(timeout=60).item() for t in losses], want,
                                rtol=1e-4, atol=1e-5)
+
+
+def test_worker_buffers_stay_flat_over_1000_steps_on_procs(procs) -> None:
+    from tests.test_meshtensor import BufferCount
+    counter = procs.spawn("compiled_buffer_count", BufferCount)
+    w1, w2, x, y = sharded(procs, {"dp": 2, "tp": 2})
+    opt = torch.optim.AdamW([w1, w2], lr=1e-3)
+
+    @monarch.compile
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = mlp_loss(x, y, w1, w2)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    counts = []
+    for i in range(1000):
+        loss = step(x, y)
+        if i in (50, 999):
+            monarch.synchronize(procs, timeout=60)
+            counts.append(counter.live.call().get(timeout=60).values())
+    assert counts[0] == counts[1], f"live buffers per worker went from {counts[0]} to {counts[1]}"
+    assert loss.item() < 10.0
