@@ -330,15 +330,14 @@ def test_mlp_collectives_per_step() -> None:
 
 def test_gpt_forward_collectives_tp() -> None:
     """Rowwise embedding, attention projection and MLP output: one all_reduce each; the Colwise head with
-    a replicated output: one all_gather. Batched q @ k.T and att @ v run as bmm over (batch * heads), a
-    merge that cannot keep the heads sharded, so q, k, v and the attention output move their shard
-    between the heads and the batch dim (one all_to_all each)."""
+    a replicated output: one all_gather. The batched q @ k.T and att @ v (monarch::matmul) keep the
+    heads sharded, so attention itself moves nothing."""
     model, _, plan, batches, _ = pair("gpt")
     mesh = LocalMesh({"tp": 2})
     parallelize(model, mesh, plan)
     x = batches(1)[0][0]
     kinds = Counter(collectives(mesh, lambda: model(x)))
-    assert kinds == {"all_reduce[tp]": 3, "all_gather[tp]": 1, "all_to_all[tp]": 4}, kinds
+    assert kinds == {"all_reduce[tp]": 3, "all_gather[tp]": 1}, kinds
 
 
 # -- errors -----------------------------------------------------------------------------------------

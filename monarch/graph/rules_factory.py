@@ -20,7 +20,8 @@ aten = torch.ops.aten
 
 LIKE = sorted([aten.empty_like.default, aten.full_like.default, aten.ones_like.default, aten.zeros_like.default],
               key=str)
-NEW = sorted([aten.new_empty.default, aten.new_full.default, aten.new_ones.default, aten.new_zeros.default], key=str)
+NEW = sorted([aten.new_empty.default, aten.new_empty_strided.default, aten.new_full.default, aten.new_ones.default,
+              aten.new_zeros.default], key=str)
 RANDOM_LIKE = {aten.rand_like.default: "rand", aten.randn_like.default: "randn",
                aten.randint_like.default: "randint", aten.randint_like.low_dtype: "randint"}
 ZEROED = {aten.empty_like.default: "aten::zeros_like", aten.new_empty.default: "aten::new_zeros"}
@@ -53,6 +54,8 @@ def new(call: OpCall, mdim: int) -> list[Strategy]:
 
 
 def _new_emit(ctx: Emit) -> list[Local]:
+    if ctx.call.op is aten.new_empty_strided.default:  # global strides mean nothing to a piece: zeros
+        return [Local("aten::new_zeros", (ctx.args[0], list(ctx.local_out_shape())), ctx.kwargs, ctx.out_ids)]
     return resized(ctx, ZEROED.get(ctx.call.op))
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+import monarch.tensor.ops  # noqa: F401 - defines torch.ops.monarch.matmul
+
 from monarch.graph.rules import OpCall, R, Strategy, register_rule
 from monarch.tensor.placement import Partial, Placement, Shard
 
@@ -47,6 +49,13 @@ def _term_placement(call: OpCall, out_p: Placement) -> Placement:
         k = out_p.dim - (out.ndim - term.ndim)
         return Shard(k) if k >= 0 and term.shape[k] == out.shape[out_p.dim] else R
     return out_p
+
+
+@register_rule(torch.ops.monarch.matmul.default)
+def batched_matmul(call: OpCall, mdim: int) -> list[Strategy]:
+    """`monarch::matmul`: "...mk,...kn->...mn" with the batch dims as letters of their own."""
+    batch = "abcdefgh"[:call.ins[0].ndim - 2]
+    return [Strategy(ins, (out,)) for ins, out in einsum_strategies(f"{batch}mk,{batch}kn->{batch}mn")]
 
 
 @register_rule(*EINSUM)

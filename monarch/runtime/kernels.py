@@ -69,5 +69,5 @@ def local_map(fn: bytes, *args: Any) -> Any:
 KERNELS: dict[str, Callable[..., Any]] = {
     "monarch::chunk": chunk, "monarch::partialize": partialize, "monarch::constant": constant,
     "monarch::random": random, "monarch::arange": arange,
-    "monarch::local_map": local_map,
+    "monarch::local_map": local_map, "monarch::matmul": torch.matmul,
 }

@@ -12,6 +12,8 @@ from typing import Any, Protocol
 import torch
 
 from monarch.errors import ShardingError
+from monarch.tensor import ops
+from monarch.tensor.ops import batched
 from monarch.tensor.placement import Placement, normalize
 from monarch.tensor.spec import Spec
 
@@ -68,6 +70,19 @@ class MeshTensor(torch.Tensor):
         if target == self._spec.placements:
             return self
         return _Redistribute.apply(self, target)
+
+    def __matmul__(self, other: Any) -> Any:
+        if batched(self, other):
+            return ops.matmul(self, other)
+        return super().__matmul__(other)
+
+    def __rmatmul__(self, other: Any) -> Any:
+        if batched(other, self):
+            return ops.matmul(other, self)
+        return super().__rmatmul__(other)
+
+    def matmul(self, other: Any) -> Any:  # type: ignore[override]
+        return self.__matmul__(other)
 
     # -- sync points -----------------------------------------------------------------------------
     def full_tensor(self, timeout: float | None = None) -> torch.Tensor:
