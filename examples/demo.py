@@ -1,19 +1,27 @@
-"""monarch demo: one controller drives a 4-process mesh (dp=2 x tp=2) of actors and sharded tensors.
+"""monarch demo: one controller drives a 4-process mesh (dp=2 x tp=2) of actors, then trains a GPT on it.
 
-Run with `make demo`. Shows spawning, the call adverbs, slicing, an actor calling another mesh,
-remote errors with tracebacks, a tensor-parallel MLP on MeshTensors, and clean shutdown.
+Run with `make demo`. A few actor calls first; then the main act: a small GPT-style language model
+(examples/gpt.py) trained data- and tensor-parallel from plain torch code, next to the same model
+trained by plain single-process torch from the same seed and data. The two loss curves agree.
 """
 from __future__ import annotations
 
-import asyncio
+import argparse
+import sys
 import time
+from collections import deque
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import monarch
-from monarch import Shard
-from monarch.actor import Actor, ActorError, ActorMesh, ProcMesh, current_rank, endpoint, this_host
-from monarch.runtime.session import session_of
+from monarch.actor import Actor, ActorError, ProcMesh, current_rank, endpoint, this_host
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpt  # noqa: E402
+
+TIMEOUT = 300.0  # seconds any single wait may take
 
 
 class Counter(Actor):
@@ -26,68 +34,96 @@ class Counter(Actor):
         return self.n
 
     @endpoint
-    def value(self) -> int:
-        return self.n
-
-    @endpoint
-    async def slow_double(self) -> int:
-        await asyncio.sleep(0.01)
-        return 2 * self.n
-
-    @endpoint
     def fail(self) -> None:
         raise ValueError(f"counter at {dict(current_rank())} refuses")
 
 
-class Reader(Actor):
-    """Reads another actor mesh: actor meshes are values that can be passed around."""
+def actors(procs: ProcMesh) -> None:
+    """Spawn an actor on every process, call all, call one, fire and forget, and a remote error."""
+    counters = procs.spawn("counters", Counter, 0)
+    print("call on all 4 ->", list(counters.incr.call(2).get(timeout=TIMEOUT).values()))
+    print("call_one on dp=0,tp=1 ->", counters.slice(dp=0, tp=1).incr.call_one().get(timeout=TIMEOUT))
+    counters.slice(dp=1).incr.broadcast(5)
+    print("after broadcast to dp=1 ->", list(counters.incr.call(0).get(timeout=TIMEOUT).values()))
+    try:
+        counters.slice(dp=1, tp=1).fail.call_one().get(timeout=TIMEOUT)
+    except ActorError as e:
+        print(f"remote error from rank {e.rank} ({e.coords}): {str(e).splitlines()[0]}")
 
-    @endpoint
-    def total(self, counters: ActorMesh) -> int:
-        print(f"reader at {dict(current_rank())} sums the counters")
-        return sum(counters.value.call().get(timeout=10).values())
+
+def train_on_mesh(procs: ProcMesh, cfg: gpt.GPTConfig, data: torch.Tensor, args: argparse.Namespace) -> list[float]:
+    """The GPT, tensor-parallel over tp and data-parallel over dp; returns every step's loss."""
+    model = gpt.build(cfg, args.seed)
+    monarch.parallelize_module(model, procs, gpt.tp_plan(cfg, procs.size("tp")))
+    monarch.data_parallel(model, procs, dim="dp")
+    print("block 0 weights over (dp, tp):", ", ".join(
+        f"{name.removeprefix('blocks.0.')} {p.placements}" for name, p in model.named_parameters()
+        if name.startswith("blocks.0.") and isinstance(p, monarch.MeshTensor) and p.ndim == 2))
+    step = gpt.compile_step(gpt.train_step(model, gpt.optimizer(model, args.lr)), eager=args.eager)
+    stream = gpt.batches(data, args.batch, cfg.context, args.seed)
+    losses: list[float] = []
+    pending: deque = deque()  # loss futures: step i+1 is recorded while the workers run step i
+    bar = tqdm(total=args.steps, desc=f"monarch dp=2 x tp=2 {'eager' if args.eager else 'compiled'}",
+               unit="step", file=sys.stdout)
+
+    def record() -> None:
+        losses.append(pending.popleft().get(timeout=TIMEOUT).item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.update()
+    for _ in range(args.steps):
+        x, y = next(stream)  # plain tensors: data_parallel shards the batch over dp inside the step
+        pending.append(monarch.fetch(step(x, y)))
+        if len(pending) > 1:
+            record()
+    while pending:
+        record()
+    bar.close()
+    return losses
+
+
+def train_plain(cfg: gpt.GPTConfig, data: torch.Tensor, args: argparse.Namespace) -> list[float]:
+    bar = tqdm(total=args.steps, desc="plain torch, 1 process", unit="step", file=sys.stdout)
+
+    def progress(loss: float) -> None:
+        bar.set_postfix(loss=f"{loss:.3f}")
+        bar.update()
+    losses = gpt.train_torch(cfg, args.steps, args.batch, args.seed, args.lr, data, progress)
+    bar.close()
+    return losses
+
+
+def compare(mesh: list[float], plain: list[float], every: int, tol: float) -> None:
+    """Print both loss curves every `every` steps and fail unless they agree within `tol`."""
+    print(f"\n{'step':>5}  {'monarch':>9}  {'torch':>9}  {'|diff|':>8}")
+    for i in sorted({*range(0, len(mesh), every), len(mesh) - 1}):
+        print(f"{i:>5}  {mesh[i]:>9.4f}  {plain[i]:>9.4f}  {abs(mesh[i] - plain[i]):>8.1e}")
+    worst = max(abs(a - b) for a, b in zip(mesh, plain, strict=True))
+    agree = worst <= tol
+    print(f"loss curves agree within {tol:g}: {agree} (largest difference {worst:.1e})")
+    if not agree:
+        raise SystemExit(f"monarch and plain torch losses differ by {worst:.2e} > {tol:g}")
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--every", type=int, default=10, help="print the loss curves every this many steps")
+    p.add_argument("--tol", type=float, default=1e-3, help="largest allowed loss difference")
+    p.add_argument("--eager", action="store_true", help="run the step op by op instead of monarch.compile")
+    args = p.parse_args()
+    cfg = gpt.GPTConfig()
+    data = gpt.load_text()
+    print(f"GPT: {gpt.n_params(gpt.build(cfg)) / 1e6:.1f}M parameters, {cfg}; "
+          f"{len(data) / 1e6:.2f} MB of text from the repo")
     t0 = time.perf_counter()
     with this_host().spawn_procs(per_host={"dp": 2, "tp": 2}) as procs:
-        counters = procs.spawn("counters", Counter, 0)
-        print("spawn_procs + first answer:", counters.incr.call(2).get(timeout=30), f"{time.perf_counter() - t0:.2f} s")
-        print("call_one on dp=0,tp=1 ->", counters.slice(dp=0, tp=1).incr.call_one().get(timeout=10))
-        counters.slice(dp=1).incr.broadcast(5)
-        for point, v in counters.value.call().get(timeout=10).items():
-            print(f"  counter {dict(point)} = {v}")
-        print("async endpoint, streamed:", sorted(f.get() for f in counters.slow_double.stream()))
-        readers = procs.slice(dp=0, tp=0).spawn("readers", Reader)
-        print("an actor calling the whole mesh ->", readers.total.call_one(counters).get(timeout=10))
-        try:
-            counters.slice(dp=1, tp=1).fail.call_one().get(timeout=10)
-        except ActorError as e:
-            print(f"remote error from rank {e.rank} ({e.coords}): {str(e).splitlines()[0]}")
-        n = 2000
-        one = counters.slice(dp=0, tp=0)
-        t = time.perf_counter()
-        for _ in range(n):
-            one.value.call_one().get(timeout=10)
-        print(f"call_one round trip: {(time.perf_counter() - t) / n * 1e6:.0f} us")
-        sharded_mlp(procs)
-    print("stopped cleanly")
-
-
-def sharded_mlp(procs: ProcMesh) -> None:
-    """A two-layer MLP, column- then row-parallel over tp and data-parallel over dp, against plain torch."""
-    torch.manual_seed(0)
-    x, w1, w2 = torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 4)
-    t = time.perf_counter()
-    xs = monarch.distribute_tensor(x, procs, {"dp": Shard(0)})
-    w1s = monarch.distribute_tensor(w1, procs, {"tp": Shard(1)})   # column parallel
-    w2s = monarch.distribute_tensor(w2, procs, {"tp": Shard(0)})   # row parallel
-    h = torch.relu(xs @ w1s)
-    y = h @ w2s
-    print(f"MLP output placements {y.placements}: the tp reduction is deferred as Partial")
-    got = y.full_tensor(timeout=60)
-    print(f"sharded MLP equals plain torch: {torch.allclose(got, torch.relu(x @ w1) @ w2, atol=1e-5)}, "
-          f"collectives {session_of(procs).collectives}, {time.perf_counter() - t:.2f} s (first use loads torch)")
+        actors(procs)
+        mesh_losses = train_on_mesh(procs, cfg, data, args)
+    print(f"mesh run: {time.perf_counter() - t0:.1f} s with spawn and shutdown")
+    compare(mesh_losses, train_plain(cfg, data, args), args.every, args.tol)
 
 
 if __name__ == "__main__":
