@@ -47,7 +47,7 @@ class Program:
     #                                                          MeshTensor it was read from, its spec
     outputs: tuple[tuple[int, weakref.ref], ...]       # produced id, the MeshTensor that keeps it
     returns: tuple[tuple[int, Spec], ...]              # produced ids of the returned tensors
-    feeds: tuple[tuple[int, int, Spec], ...]           # feed id, argument slot, placement
+    feeds: tuple[tuple[int, int], ...]                 # feed id, argument slot (replicated)
     spec: pytree.TreeSpec                              # structure of the return value
 
     def stale(self, flat: list[Any]) -> str | None:
@@ -66,31 +66,37 @@ class Program:
             s.flush()  # work recorded between calls runs first
         current = ((p, flat[src] if isinstance(src, int) else src()) for p, src, _ in self.inputs)
         inputs = tuple((p, t._handle.id) for p, t in current if t is not None)
-        new = {p: next(s.tracer.ids) for p in itertools.chain((p for p, _ in self.outputs),
-                                                              (p for p, _ in self.returns))}
-        s.invoke(self.pid, None, inputs, tuple(new.items()), feed_pieces(self.feeds, flat, s),
-                 s.tracer.take_released())
-        for p, ref in self.outputs:
-            t = ref()
-            if t is not None:
-                t._handle = s.tracer.external(new[p])
-        outs = [MeshTensor(spec, s, s.tracer.external(new[p])) for p, spec in self.returns]
+        outputs, moved = self._outputs(s)
+        returns = [(p, next(s.tracer.ids)) for p, _ in self.returns]
+        s.invoke(self.pid, None, inputs, outputs + tuple(returns), feeds(self.feeds, flat), s.tracer.take_released())
+        for t, id in moved:
+            t._handle = s.tracer.external(id)
+        outs = [MeshTensor(spec, s, s.tracer.external(id)) for (_, spec), (_, id) in zip(self.returns, returns,
+                                                                                         strict=True)]
         return pytree.tree_unflatten(outs, self.spec)
 
+    def _outputs(self, s: Session) -> tuple[tuple[tuple[int, int], ...], list[tuple[MeshTensor, int]]]:
+        """Where each kept result goes: into the buffer its MeshTensor holds now, when nothing else
+        holds that buffer (parameters and optimizer state are updated in place, no handle changes);
+        else into a new buffer the MeshTensor is moved to."""
+        outputs, moved = [], []
+        for p, ref in self.outputs:
+            t = ref()
+            if t is not None and s.tracer.live.get(t._handle.id) == 1:
+                outputs.append((p, t._handle.id))
+                continue
+            new = next(s.tracer.ids)
+            outputs.append((p, new))
+            if t is None:
+                s.tracer.released.append(new)  # nobody keeps it: freed with the next call
+            else:
+                moved.append((t, new))
+        return tuple(outputs), moved
 
-def feed_pieces(feeds: tuple[tuple[int, int, Spec], ...], flat: list[Any],
-                s: Session) -> list[tuple[tuple[int, Any], ...]]:
-    """Per rank, its pieces of the plain tensor arguments."""
-    out = []
-    for coords in s.abstract.coords():
-        mine = []
-        for fid, slot, spec in feeds:
-            piece = flat[slot].detach()
-            for d, (start, n) in enumerate(spec.bounds(coords)):
-                piece = piece.narrow(d, start, n)
-            mine.append((fid, piece.clone()))
-        out.append(tuple(mine))
-    return out
+
+def feeds(slots: tuple[tuple[int, int], ...], flat: list[Any]) -> tuple[tuple[int, torch.Tensor], ...]:
+    """The plain tensor arguments' data under their feed ids (every rank gets all of it)."""
+    return tuple((fid, flat[slot].detach().contiguous()) for fid, slot in slots)
 
 
 class CompiledStep:
@@ -199,12 +205,12 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Pro
         if t._handle.id not in produced:
             raise TraceError("a monarch.compile'd step returned one of its inputs unchanged; return only "
                              "tensors the step computes")
-    feeds = tuple((n.meta["ids"][0], n.meta["feed"], n.meta["specs"][0]) for n in nodes if "feed" in n.meta)
+    fed = tuple((n.meta["ids"][0], n.meta["feed"]) for n in nodes if "feed" in n.meta)
     program = Program(next(_pids), s, inputs, tuple(outputs), tuple((t._handle.id, t._spec) for t in returned),
-                      feeds, spec)
+                      fed, spec)
     same = tuple((i, i) for i, _, _ in inputs)
     kept = tuple((i, i) for i, _ in outputs) + tuple((i, i) for i, _ in program.returns)
-    s.invoke(program.pid, programs, same, kept, feed_pieces(feeds, flat, s), ())
+    s.invoke(program.pid, programs, same, kept, feeds(fed, flat), ())
     # buffers released while tracing live outside the program's own namespace: free them after it ran
     s.tracer.released.extend(i for i in traced.released if i not in produced)
     return program, result

@@ -56,6 +56,7 @@ class ReferenceSession(Session):
     def __init__(self, mesh: LocalMesh) -> None:
         super().__init__(mesh)
         self.engines = [Engine(r) for r in range(len(mesh._shape))]
+        self._installed: dict[int, tuple[RankProgram, ...]] = {}
 
     def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: Fetch | None = None,
              sync: bool = False) -> Future[Any] | None:
@@ -75,16 +76,16 @@ class ReferenceSession(Session):
         return Future(state, None, fetch.assemble if fetch else _synced)  # type: ignore[arg-type]
 
     def invoke(self, pid: int, install: tuple[RankProgram, ...] | None, inputs: tuple[tuple[int, int], ...],
-               outputs: tuple[tuple[int, int], ...], feeds: list[tuple[tuple[int, Any], ...]],
+               outputs: tuple[tuple[int, int], ...], feeds: tuple[tuple[int, Any], ...],
                frees: tuple[int, ...]) -> None:
         if install is not None:
-            self._programs[pid] = install
-        programs = self._programs[pid]
+            self._installed[pid] = install
+        programs = self._installed[pid]
         self._count(programs)
         outers = []
-        for eng, own in zip(self.engines, feeds, strict=True):
+        for eng in self.engines:
             eng.free(Free(frees))
-            outers.append(eng.bind(inputs, own))
+            outers.append(eng.bind(inputs, feeds))
         try:
             run_lockstep(self.engines, programs, self.abstract.sizes, self._labels())
         finally:

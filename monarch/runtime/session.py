@@ -44,7 +44,7 @@ class Session:
         self.flush_ops = config.flush_ops()
         self.capturing = False
         _all.add(self)
-        self._programs: dict[int, tuple[RankProgram, ...]] = {}
+        self._programs: dict[int, list[str]] = {}  # installed program id -> its collectives
 
     # -- Backend ---------------------------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -98,27 +98,31 @@ class Session:
         return Future(state, ctl, fetch.assemble if fetch else _synced) if state is not None else None
 
     def invoke(self, pid: int, install: tuple[RankProgram, ...] | None, inputs: tuple[tuple[int, int], ...],
-               outputs: tuple[tuple[int, int], ...], feeds: list[tuple[tuple[int, Any], ...]],
+               outputs: tuple[tuple[int, int], ...], feeds: tuple[tuple[int, Any], ...],
                frees: tuple[int, ...]) -> None:
-        """Run compiled program `pid` (installing it first when `install` is given): one frame per worker."""
+        """Run compiled program `pid` (installing it first when `install` is given): one frame per worker,
+        the same bytes for every worker once the program is installed."""
         if install is not None:
-            self._programs[pid] = install
-        self._count(self._programs[pid])
-        installs = lower_install(pid, install, self.view) if install is not None else {}
-        frames = {}
-        for n, r in enumerate(self.view.ranks()):
-            msgs: list[Any] = [installs[r]] if installs else []
-            msgs.append(InvokeProgram(pid, inputs, outputs, feeds[n], frees))
-            frames[r] = codec.encode_frame(msgs)
+            self._programs[pid] = self._comm_names(install)
+        self.collectives.extend(self._programs[pid])
+        call = InvokeProgram(pid, inputs, outputs, feeds, frees)
+        ranks = self.view.ranks()
+        if install is None:
+            frame = codec.encode_frame([call])
+            frames = dict.fromkeys(ranks, frame)
+        else:
+            installs = lower_install(pid, install, self.view)
+            frames = {r: codec.encode_frame([installs[r], call]) for r in ranks}
         controller().send_each(self.mesh._mesh.id, frames, 0, None)
 
     def _count(self, programs: tuple[RankProgram, ...]) -> None:
+        self.collectives.extend(self._comm_names(programs))
+
+    def _comm_names(self, programs: tuple[RankProgram, ...]) -> list[str]:
+        """`kind[dim]` of each collective the programs run, in order."""
         names = self.abstract.names
-        for i in programs[0].instrs:
-            if isinstance(i, Comm):
-                self.collectives.append(f"{i.kind}[{names[i.mdim]}]")
-            elif isinstance(i, Start):
-                self.collectives.append(f"all_reduce[{names[i.mdim]}]")
+        return [f"{i.kind}[{names[i.mdim]}]" if isinstance(i, Comm) else f"all_reduce[{names[i.mdim]}]"
+                for i in programs[0].instrs if isinstance(i, (Comm, Start))]
 
     def synchronize(self, timeout: float | None = None) -> None:
         future = self.flush(sync=True)
