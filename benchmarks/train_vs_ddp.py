@@ -6,7 +6,7 @@ Every configuration trains the same model (same seed, global batch and AdamW) in
 - ddp W: `torchrun --nproc-per-node W` + DistributedDataParallel (gloo, CPU); each rank trains on its slice
   of the global batch with cores / W intra-op threads, as monarch's workers get by default.
 - compiled W / eager W: monarch on a dp=W mesh (monarch.data_parallel), the step under monarch.compile or
-  run op by op; `ctl/step` is the controller's own time per step (sampling the batch, sending it, and
+  run op by op; `ctl/step` is the controller's own CPU time per step call (sending the batch, and
   recording or launching the step), the rest overlaps with the workers.
 Ratios are throughputs against DDP at the same world size. A width sweep (Pathways-style) then finds the
 smallest step time at which compiled monarch reaches 0.95x DDP. Run with --help for the knobs.
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,18 +55,21 @@ class Result:
 
 
 # -- one configuration, measured in this process --------------------------------------------------------------
-def timed(step: Callable[[], Any], sync: Callable[[Any], float], warmup: int, steps: int,
-          barrier: Callable[[], None] = lambda: None) -> Result:
-    """Mean time of `steps` calls of `step` after `warmup` synced ones; `sync` waits for a step's loss."""
+def timed(step: Callable[..., Any], batches: Iterator[tuple[Any, ...]], sync: Callable[[Any], float], warmup: int,
+          steps: int, barrier: Callable[[], None] = lambda: None) -> Result:
+    """Mean time of `steps` calls of `step` after `warmup` synced ones; `sync` waits for a step's loss.
+    The controller time is the CPU time of the calling thread inside the `step` calls (not the batch
+    sampling, nor the background thread that reads replies)."""
     for _ in range(warmup):
-        sync(step())
+        sync(step(*next(batches)))
     barrier()
     t0 = time.perf_counter()
     busy = 0.0
     for _ in range(steps):
-        t = time.perf_counter()
-        loss = step()
-        busy += time.perf_counter() - t
+        batch = next(batches)
+        t = time.thread_time()
+        loss = step(*batch)
+        busy += time.thread_time() - t
     final = sync(loss)
     barrier()
     return Result((time.perf_counter() - t0) / steps, busy / steps, final)
@@ -86,7 +89,7 @@ def run_torch(args: argparse.Namespace) -> Result:
     model = gpt.build(cfg, args.seed)
     step = gpt.train_step(model, gpt.optimizer(model))
     stream = gpt.batches(text(args), args.batch, cfg.context, args.seed)
-    r = timed(lambda: step(*next(stream)), lambda loss: loss.item(), args.warmup, args.steps)
+    r = timed(step, stream, lambda loss: loss.item(), args.warmup, args.steps)
     return Result(r.step_s, None, r.loss)
 
 
@@ -103,8 +106,7 @@ def run_ddp(args: argparse.Namespace) -> Result:
     stream = gpt.batches(text(args), args.batch, cfg.context, args.seed)
     per = args.batch // world
 
-    def one() -> torch.Tensor:
-        x, y = next(stream)
+    def one(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return step(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
 
     def sync(loss: torch.Tensor) -> float:
@@ -112,7 +114,7 @@ def run_ddp(args: argparse.Namespace) -> Result:
         dist.all_reduce(total)
         return total.item() / world
     try:
-        r = timed(one, sync, args.warmup, args.steps, dist.barrier)
+        r = timed(one, stream, sync, args.warmup, args.steps, dist.barrier)
         return Result(r.step_s, None, r.loss)
     finally:
         dist.destroy_process_group()
@@ -126,7 +128,7 @@ def run_monarch(args: argparse.Namespace, eager: bool) -> Result:
     with this_host().spawn_procs(per_host={"dp": args.world}) as procs:
         model = monarch.data_parallel(gpt.build(cfg, args.seed), procs, dim="dp")
         step = gpt.compile_step(gpt.train_step(model, gpt.optimizer(model)), eager=eager)
-        return timed(lambda: step(*next(stream)), lambda loss: monarch.fetch(loss).get(timeout=args.timeout).item(),
+        return timed(step, stream, lambda loss: monarch.fetch(loss).get(timeout=args.timeout).item(),
                      args.warmup, args.steps)
 
 

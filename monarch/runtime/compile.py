@@ -50,22 +50,22 @@ class Program:
     feeds: tuple[tuple[int, int], ...]                 # feed id, argument slot (replicated)
     spec: pytree.TreeSpec                              # structure of the return value
 
-    def stale(self, flat: list[Any]) -> str | None:
-        """Why the program no longer fits its inputs (None when it does)."""
+    def stale(self, flat: list[Any]) -> str | tuple[tuple[int, int], ...]:
+        """Why the program no longer fits its inputs, or (when it fits) the buffers this call reads."""
+        inputs = []
         for pid_, source, spec in self.inputs:
             t = flat[source] if isinstance(source, int) else source()
             if t is None:
                 return f"input buffer %{pid_} is gone"
             if t._spec is not spec and t._spec != spec:
                 return f"input {spec} is now {t._spec}"
-        return None
+            inputs.append((pid_, t._handle.id))
+        return tuple(inputs)
 
-    def run(self, flat: list[Any]) -> Any:
+    def run(self, flat: list[Any], inputs: tuple[tuple[int, int], ...]) -> Any:
         s = self.session
         if s.tracer.n_ops:
             s.flush()  # work recorded between calls runs first
-        current = ((p, flat[src] if isinstance(src, int) else src()) for p, src, _ in self.inputs)
-        inputs = tuple((p, t._handle.id) for p, t in current if t is not None)
         outputs, moved = self._outputs(s)
         returns = [(p, next(s.tracer.ids)) for p, _ in self.returns]
         s.invoke(self.pid, None, inputs, outputs + tuple(returns), feeds(self.feeds, flat), s.tracer.take_released())
@@ -118,9 +118,9 @@ class CompiledStep:
         key = signature(flat, state)
         program = self.cache.get(key)
         why = "first call with this signature" if program is None else program.stale(flat)
-        if why is None:
+        if isinstance(why, tuple):
             assert program is not None
-            return program.run(flat)
+            return program.run(flat, why)
         log.debug("monarch.compile: tracing %s (%s)", getattr(self.fn, "__qualname__", self.fn), why)
         program, result = self._trace(args, kwargs, flat, home(near(self.fn, flat), state))
         self.cache[key] = program
@@ -192,7 +192,7 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Pro
     nodes = list(traced.graph.nodes)
     produced = {i for n in nodes if n.op != "placeholder" for i in n.meta["ids"]}
     slots = {t._handle.id: i for i, t in enumerate(flat) if isinstance(t, MeshTensor)}
-    inputs = tuple((i, slots.get(i, cap.sources[i]), n.meta["specs"][0])
+    inputs = tuple((i, slots.get(i, cap.sources[i]), _spec_now(cap.sources.get(i), n.meta["specs"][0]))
                    for n in nodes if n.op == "placeholder" for i in n.meta["ids"])
     mine = {id(t) for t in returned}
     outputs, seen = [], set()
@@ -216,6 +216,13 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Pro
     return program, result
 
 
+def _spec_now(ref: weakref.ref | None, spec: Spec) -> Spec:
+    """The spec object the input's MeshTensor holds now when it is the same spec (so that checking it
+    on later calls is an identity test)."""
+    t = ref() if ref is not None else None
+    return t._spec if t is not None and t._spec == spec else spec
+
+
 def signature(flat: list[Any], state: list[Any]) -> tuple[Any, ...]:
     """What a cached program depends on besides the buffers it reads."""
     parts: list[Any] = []
@@ -237,11 +244,11 @@ def _state_of(obj: Any) -> Any:
     if isinstance(obj, torch.optim.Optimizer):
         groups = tuple(tuple((k, v) for k, v in g.items() if k != "params" and isinstance(v, (*SCALARS, tuple)))
                        for g in obj.param_groups)
-        params = tuple((p.grad is None, tuple(sorted(obj.state.get(p, {}))),
-                        tuple(type(v).__name__ for v in obj.state.get(p, {}).values()))
+        state = obj.state
+        params = tuple((p.grad is None, len(state[p]) if p in state else 0)
                        for g in obj.param_groups for p in g["params"])
         return ("optimizer", id(obj), groups, params)
-    return ("module", id(obj), obj.training, tuple(p.grad is None for p in obj.parameters()))
+    return ("module", id(obj), obj.training)  # its parameters' gradients count with their optimizer
 
 
 def near(fn: Callable[..., Any], flat: list[Any]) -> list[Any]:
@@ -277,6 +284,8 @@ def make_capturable(opt: torch.optim.Adam) -> None:
     """Adam keeps its step count on the controller unless capturable; a compiled step needs it as a
     replicated MeshTensor, so that bias corrections are computed by the program, not baked into it."""
     from monarch.runtime.tensors import distribute_tensor
+    if getattr(opt, "_monarch_steps", -1) == len(opt.state):
+        return  # every state present was converted already
     _allow_cpu_capturable()
     for group in opt.param_groups:
         params = [p for p in group["params"] if isinstance(p, MeshTensor)]
@@ -287,6 +296,7 @@ def make_capturable(opt: torch.optim.Adam) -> None:
             st = opt.state.get(p)
             if st and "step" in st and not isinstance(st["step"], MeshTensor):
                 st["step"] = distribute_tensor(st["step"].to(torch.float32), p.mesh)
+    opt._monarch_steps = len(opt.state)  # type: ignore[attr-defined]
 
 
 @functools.cache
