@@ -94,9 +94,17 @@ class Program:
         return tuple(outputs), moved
 
 
-def feeds(slots: tuple[tuple[int, int], ...], flat: list[Any]) -> tuple[tuple[int, torch.Tensor], ...]:
-    """The plain tensor arguments' data under their feed ids (every rank gets all of it)."""
-    return tuple((fid, flat[slot].detach().contiguous()) for fid, slot in slots)
+def feeds(slots: tuple[tuple[int, int], ...], flat: list[Any]) -> tuple[tuple[int, Any], ...]:
+    """The plain tensor arguments' data under their feed ids (every rank gets all of it), as numpy
+    arrays where numpy has the dtype: they pickle many times faster than tensors."""
+    return tuple((fid, _portable(flat[slot].detach())) for fid, slot in slots)
+
+
+def _portable(t: torch.Tensor) -> Any:
+    try:
+        return t.contiguous().numpy()
+    except TypeError:  # bfloat16 and friends
+        return t.contiguous()
 
 
 class CompiledStep:

@@ -57,7 +57,7 @@ class Engine:
         call's plain arguments under its feed ids. Returns the store to restore afterwards."""
         outer = self.store
         self.store = {p: outer[a] for p, a in inputs}
-        self.store.update(feeds)
+        self.store.update((i, v if isinstance(v, torch.Tensor) else torch.from_numpy(v)) for i, v in feeds)
         return outer
 
     def unbind(self, outputs: tuple[tuple[int, int], ...], outer: dict[int, Any]) -> None:
