@@ -100,6 +100,7 @@ class Tracer:
         self.live: dict[int, int] = {}  # buffer id -> how many Values name it (a cached redistribution is shared)
         self.released: list[int] = []
         self.cache: dict[Any, Recorded] = {}
+        self.epoch = 0  # counts recorded nodes and flushes: unchanged means no MeshTensor was rebound
         self.capture: Capture | None = None
         self._new_graph()
 
@@ -156,6 +157,7 @@ class Tracer:
         n.meta.update(ids=ids, specs=specs, emit=emit, local_args=local_args, local_kwargs=local_kwargs or {},
                       call=call, in_specs=in_specs)
         self.n_ops += 1
+        self.epoch += 1
         return n, ids
 
     def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -260,6 +262,7 @@ class Tracer:
     def take(self) -> TracedGraph:
         """Close the pending graph and start a new one."""
         released, self.released = tuple(self.released), []
+        self.epoch += 1
         traced = TracedGraph(self.graph, self.mesh, frozenset(self.live), released)
         self._new_graph()
         return traced

@@ -49,11 +49,21 @@ class Program:
     returns: tuple[tuple[int, Spec], ...]              # produced ids of the returned tensors
     feeds: tuple[tuple[int, int], ...]                 # feed id, argument slot (replicated)
     spec: pytree.TreeSpec                              # structure of the return value
+    # after a call that moved no handle: (tracer epoch, buffer ids read, the (program id, buffer id)
+    # pairs of inputs that are not arguments, output pairs); valid while nothing else was recorded
+    settled: tuple[int, frozenset[int], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None = None
 
     def stale(self, flat: list[Any]) -> str | tuple[tuple[int, int], ...]:
         """Why the program no longer fits its inputs, or (when it fits) the buffers this call reads."""
+        tracer, settled = self.session.tracer, self.settled
+        if settled is not None and settled[0] == tracer.epoch and settled[1].isdisjoint(tracer.released):
+            return settled[2] + self._check(flat, [i for i in self.inputs if isinstance(i[1], int)])
+        self.settled = None
+        return self._check(flat, self.inputs)
+
+    def _check(self, flat: list[Any], which: Any) -> Any:
         inputs = []
-        for pid_, source, spec in self.inputs:
+        for pid_, source, spec in which:
             t = flat[source] if isinstance(source, int) else source()
             if t is None:
                 return f"input buffer %{pid_} is gone"
@@ -66,11 +76,18 @@ class Program:
         s = self.session
         if s.tracer.n_ops:
             s.flush()  # work recorded between calls runs first
-        outputs, moved = self._outputs(s)
+        settled = self.settled
+        outputs, moved = self._outputs(s) if settled is None else (settled[3], [])
         returns = [(p, next(s.tracer.ids)) for p, _ in self.returns]
         s.invoke(self.pid, None, inputs, outputs + tuple(returns), feeds(self.feeds, flat), s.tracer.take_released())
         for t, id in moved:
             t._handle = s.tracer.external(id)
+        if settled is not None:
+            self.settled = (s.tracer.epoch, *settled[1:])
+        elif not moved and all(ref() is not None for _, ref in self.outputs):
+            kept = tuple(pair for pair, (_, src, _) in zip(inputs, self.inputs, strict=True)
+                         if not isinstance(src, int))
+            self.settled = (s.tracer.epoch, frozenset(a for _, a in kept), kept, outputs)
         outs = [MeshTensor(spec, s, s.tracer.external(id)) for (_, spec), (_, id) in zip(self.returns, returns,
                                                                                          strict=True)]
         return pytree.tree_unflatten(outs, self.spec)
