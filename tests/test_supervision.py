@@ -141,3 +141,32 @@ def test_workers_exit_when_the_controller_is_killed() -> None:
     while owned_processes(child.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not owned_processes(child.pid), owned_processes(child.pid)
+
+
+def test_busy_workers_die_with_a_killed_controller() -> None:
+    """Workers in the middle of long work do not finish it first: their monitors see the controller go."""
+    child = _run_script("""
+        import time
+        from monarch.actor import Actor, endpoint, this_host
+
+        class Busy(Actor):
+            @endpoint
+            def work(self) -> None:
+                time.sleep(60)
+
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        procs.spawn("busy", Busy).work.broadcast()
+        print("up", flush=True)
+        time.sleep(60)
+    """)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        time.sleep(0.5)
+        assert owned_processes(child.pid)
+    finally:
+        child.kill()
+        child.wait(timeout=T)
+    deadline = time.monotonic() + 5
+    while owned_processes(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not owned_processes(child.pid), owned_processes(child.pid)

@@ -23,6 +23,7 @@ from monarch.runtime.shape import Shape
 
 TOKEN_ENV = "MONARCH_WORKER_TOKEN"
 _RANK_ENVS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+OWNER_CHECK_S = 1.0  # how often a monitor looks for its controller while the worker is quiet
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,12 @@ class Launch:
     shape: Shape
     token: bytes
     rank: int
+    owner: int = 0  # the controller's pid: when it is gone, the worker is killed
+
+    @property
+    def local(self) -> bool:
+        """Whether the controller runs on this host (so that its pid means something here)."""
+        return self.host in ("localhost", "::1") or self.host.startswith("127.")
 
     def header(self, role: int) -> bytes:
         return Header(self.mesh_id, role, self.rank, self.token).encode()
@@ -57,14 +64,14 @@ def parse(argv: list[str]) -> Launch:
     p.add_argument("--controller", required=True, help="host:port of the controller's control socket")
     p.add_argument("--mesh-id", type=int, required=True)
     p.add_argument("--dims", required=True, help="mesh dims, e.g. dp=2,tp=2")
-    p.add_argument("--owner", type=int, default=0, help="pid of the controller (for process listings)")
+    p.add_argument("--owner", type=int, default=0, help="pid of the controller; the worker dies with it")
     a = p.parse_args(argv)
     host, port = a.controller.rsplit(":", 1)
     dims = [d.split("=") for d in a.dims.split(",") if d]
     shape = Shape.row_major(tuple(k for k, _ in dims), tuple(int(v) for _, v in dims))
     token = bytes.fromhex(os.environ.pop(TOKEN_ENV, ""))
     rank = next((int(os.environ[k]) for k in _RANK_ENVS if k in os.environ), 0)
-    return Launch(host, int(port), a.mesh_id, shape, token, rank)
+    return Launch(host, int(port), a.mesh_id, shape, token, rank, a.owner)
 
 
 def start(argv: list[str]) -> Boot:
@@ -105,11 +112,16 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _monitor(launch: Launch, child: int, pipes: dict[int, int], prefix: bytes) -> int:
-    """Forward the child's output line by line with `prefix`; report an abnormal exit."""
+    """Forward the child's output line by line with `prefix`; report an abnormal exit. If the
+    controller dies (even by SIGKILL) the child is killed at once, not after its queued work."""
     partial = {fd: b"" for fd in pipes}
     tail: deque[str] = deque(maxlen=20)
     while partial:
-        for fd in select.select(list(partial), [], [])[0]:
+        ready = select.select(list(partial), [], [], OWNER_CHECK_S)[0]
+        if not ready and launch.local and not _alive(launch.owner):
+            with suppress(OSError):
+                os.kill(child, signal.SIGKILL)
+        for fd in ready:
             data = os.read(fd, 65536)
             lines = (partial[fd] + data).split(b"\n")
             if not data:
@@ -129,6 +141,18 @@ def _monitor(launch: Launch, child: int, pipes: dict[int, int], prefix: bytes) -
     if code != 0:
         _report(launch, ProcExit(launch.rank, child, status, "\n".join(tail)))
     return code if code >= 0 else 128 - code
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write(fd: int, data: bytes) -> None:
