@@ -415,3 +415,16 @@ def test_compiled_training_matches_torch_and_eager(kind: str, opt_name: str, dim
     assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
     assert_same_params(model, ref)
     assert step.traces == 2
+
+
+def test_autograd_grad_on_mesh_tensors() -> None:
+    """torch.autograd.grad returns MeshTensors equal to plain torch's and leaves .grad alone."""
+    mesh = LocalMesh({"dp": 2, "tp": 2})
+    x0, w0 = torch.randn(5, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
+    x = monarch.distribute_tensor(x0.detach(), mesh, {"dp": Shard(0)}).requires_grad_(True)
+    w = monarch.distribute_tensor(w0.detach(), mesh, {"tp": Shard(1)}).requires_grad_(True)
+    got = torch.autograd.grad(torch.tanh(x @ w).pow(2).sum(), (x, w))
+    want = torch.autograd.grad(torch.tanh(x0 @ w0).pow(2).sum(), (x0, w0))
+    for g, h in zip(got, want, strict=True):
+        close(value(g), h)
+    assert x.grad is None and w.grad is None
