@@ -154,13 +154,13 @@ class CompiledStep:
     def _trace(self, args: tuple, kwargs: dict, flat: list[Any], target: Session) -> tuple[Program, Any]:
         """Run the step while recording. Plain tensor arguments enter as replicated MeshTensors that
         each call fills (the step's own code then shards them, e.g. data_parallel's input hook)."""
+        if target.tracer.n_ops:
+            target.flush()
         sessions = list(all_sessions())
-        for s in sessions:
-            if s.tracer.n_ops:
-                s.flush()
         fed = [target.tracer.feed(_replicated(t, target), i) if _plain(t) else t for i, t in enumerate(flat)]
         args, kwargs = pytree.tree_unflatten(fed, pytree.tree_flatten((args, kwargs))[1])
         captures = {s: Capture() for s in sessions}
+        before = {s: s.tracer.epoch for s in sessions}
         for s in sessions:
             s.capturing, s.tracer.capture = True, captures[s]
         try:
@@ -168,7 +168,7 @@ class CompiledStep:
         finally:
             for s in sessions:
                 s.capturing, s.tracer.capture = False, None
-        used = [s for s in sessions if s.tracer.n_ops]
+        used = [s for s in sessions if s.tracer.epoch != before[s]]
         if used != [target]:
             raise TraceError(f"a monarch.compile'd step must compute on one mesh, that of its arguments, "
                              f"parameters or optimizer; {getattr(self.fn, '__qualname__', self.fn)} used "
