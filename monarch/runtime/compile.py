@@ -197,7 +197,7 @@ def home(near: list[Any], state: list[Any]) -> Session:
             return t._backend
         if isinstance(t, (ProcMesh, LocalMesh)):
             return session_of(t)
-    live = all_sessions()
+    live = [s for s in all_sessions() if s.live]
     if len(live) == 1:
         return live[0]
     raise TraceError("monarch.compile cannot tell which mesh the step runs on: pass a MeshTensor argument, or "

@@ -46,6 +46,12 @@ class Session:
         _all.add(self)
         self._programs: dict[int, list[str]] = {}  # installed program id -> its collectives
 
+    @property
+    def live(self) -> bool:
+        """Whether the mesh still runs (a LocalMesh always does)."""
+        mesh = getattr(self.mesh, "_mesh", None)
+        return mesh is None or mesh.live
+
     # -- Backend ---------------------------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         parts = decomposition(func)

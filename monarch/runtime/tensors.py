@@ -18,7 +18,7 @@ from monarch.graph.partition import partition
 from monarch.graph.rules import Emit
 from monarch.runtime import codec
 from monarch.runtime.futures import Future
-from monarch.runtime.session import Session, session_of
+from monarch.runtime.session import Session, all_sessions, session_of
 from monarch.tensor.instr import Buf, Local
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
@@ -135,9 +135,8 @@ def fetch(t: MeshTensor) -> Future[torch.Tensor]:
 
 
 def synchronize(procs: Any | None = None, timeout: float | None = None) -> None:
-    """Run everything pending on `procs` (or on every mesh with pending work) and raise remote errors."""
-    from monarch.runtime.session import _sessions
-    targets = [session_of(procs)] if procs is not None else list(_sessions.values())
+    """Run everything pending on `procs` (or on every running mesh) and raise remote errors."""
+    targets = [session_of(procs)] if procs is not None else [s for s in all_sessions() if s.live]
     for s in targets:
         s.synchronize(timeout)
 
