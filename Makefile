@@ -21,6 +21,8 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/actors.py
+	$(PY) benchmarks/eager_ops.py
+	$(PY) benchmarks/train_vs_ddp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .hypothesis
