@@ -74,3 +74,9 @@ def procs() -> Iterator[ProcMesh]:
     """A 4-process dp=2 x tp=2 mesh shared by the tests of one module."""
     with this_host().spawn_procs(per_host={"dp": 2, "tp": 2}) as p:
         yield p
+
+
+@pytest.fixture
+def strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MONARCH_STRICT=1: an op without a sharding rule fails instead of running replicated."""
+    monkeypatch.setenv("MONARCH_STRICT", "1")

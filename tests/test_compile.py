@@ -2,6 +2,8 @@
 signatures, replay with one frame per worker, refuse sync points, and keep worker memory flat."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -23,6 +25,17 @@ def data(seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 def mlp_loss(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return ((torch.relu(x @ w1) @ w2 - y) ** 2).mean()
+
+
+def train_step(w1: torch.Tensor, w2: torch.Tensor, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+    """One training step of the MLP (forward, backward, optimizer), to run eager or compiled."""
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = mlp_loss(x, y, w1, w2)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
 
 
 def plain_run(opt_cls: type, kw: dict, steps: int) -> tuple[list[float], torch.Tensor]:
@@ -60,12 +73,7 @@ def test_compiled_steps_match_plain_and_eager(dims: dict, opt_cls: type, kw: dic
         w1, w2, x, y = sharded(mesh, dims)
         opt = opt_cls([w1, w2], **kw)
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = mlp_loss(x, y, w1, w2)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
+        step = train_step(w1, w2, opt)
         run = monarch.compile(step) if compiled else step
         losses = [run(x, y) for _ in range(5)]
         torch.testing.assert_close([t.item() for t in losses], want, rtol=1e-4, atol=1e-5)
@@ -148,13 +156,7 @@ def test_worker_memory_stays_flat_over_many_steps() -> None:
     w1, w2, x, y = sharded(mesh, {"dp": 2, "tp": 2})
     opt = torch.optim.AdamW([w1, w2], lr=0.01)
 
-    @monarch.compile
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = mlp_loss(x, y, w1, w2)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = monarch.compile(train_step(w1, w2, opt))
 
     sizes = []
     for i in range(300):
@@ -169,13 +171,7 @@ def test_a_replayed_step_sends_one_frame_per_worker(procs) -> None:
     w1, w2, x, y = sharded(procs, {"dp": 2, "tp": 2})
     opt = torch.optim.AdamW([w1, w2], lr=0.01)
 
-    @monarch.compile
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = mlp_loss(x, y, w1, w2)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = monarch.compile(train_step(w1, w2, opt))
 
     losses = [step(x, y) for _ in range(3)]
     monarch.synchronize(procs, timeout=60)
@@ -194,13 +190,7 @@ def test_worker_buffers_stay_flat_over_1000_steps_on_procs(procs) -> None:
     w1, w2, x, y = sharded(procs, {"dp": 2, "tp": 2})
     opt = torch.optim.AdamW([w1, w2], lr=1e-3)
 
-    @monarch.compile
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = mlp_loss(x, y, w1, w2)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = monarch.compile(train_step(w1, w2, opt))
 
     counts = []
     for i in range(1000):

@@ -17,8 +17,9 @@ from monarch.graph.rules import RULES, OpCall
 from monarch.runtime.reference import LocalMesh
 from monarch.tensor import MeshTensor, Partial, Replicate, Shard
 from strategies import placement_tuples, tensor_shapes
-from test_rules_view import (LINE, MESHES, SETTINGS, check, data, mesh_of, pairs, sharded, shipped, spec,  # noqa: F401
-                             strict)
+from test_rules_view import LINE, MESHES, SETTINGS, check, data, mesh_of, pairs, sharded, shipped, spec
+
+pytestmark = pytest.mark.usefixtures("strict")
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial("sum")

@@ -17,28 +17,15 @@ import monarch
 from monarch import Partial, Replicate, Shard
 from monarch.graph.propagate import decide
 from monarch.graph.rules import RULES, Emit, OpCall, Strategy, load_rules
-from monarch.runtime.reference import LocalMesh
 from monarch.tensor.instr import Buf, Local
 from monarch.tensor.spec import AbstractMesh, Spec
-from tests.strategies import placement_tuples, tensor_meshes, tensor_shapes
+from tests.strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial("sum")
 MESHES = ({"x": 1}, {"x": 2}, {"x": 4}, {"dp": 2, "tp": 2})
 IGNORE = -100
-_meshes: dict[tuple[tuple[str, int], ...], LocalMesh] = {}
-
-
-@pytest.fixture(autouse=True)
-def strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MONARCH_STRICT", "1")
-
-
-def local_mesh(dims: dict[str, int]) -> LocalMesh:
-    key = tuple(dims.items())
-    if key not in _meshes:
-        _meshes[key] = LocalMesh(dims)
-    return _meshes[key]
+pytestmark = pytest.mark.usefixtures("strict")
 
 
 class Case:
@@ -47,7 +34,7 @@ class Case:
     def __init__(self, data: st.DataObject) -> None:
         self.draw = data.draw
         self.dims = self.draw(tensor_meshes(MESHES))
-        self.mesh = local_mesh(self.dims)
+        self.mesh = reference_mesh(self.dims)
         self.gen = torch.Generator().manual_seed(self.draw(st.integers(0, 2**16)))
         self.placed: list[tuple] = []
 
@@ -207,7 +194,7 @@ def test_nll_loss_backward(data: st.DataObject) -> None:
 
 # -- collectives of the key cases -------------------------------------------------------------------
 def test_softmax_over_unsharded_dim_moves_nothing() -> None:
-    mesh = local_mesh({"dp": 2, "tp": 2})
+    mesh = reference_mesh({"dp": 2, "tp": 2})
     base = torch.randn(5, 3, 6)
     x = monarch.distribute_tensor(base, mesh, {"dp": Shard(0), "tp": Shard(1)})
     before = len(mesh._session.collectives)
@@ -218,7 +205,7 @@ def test_softmax_over_unsharded_dim_moves_nothing() -> None:
 
 
 def test_cross_entropy_batch_sharded_forward_and_backward() -> None:
-    mesh = local_mesh({"x": 4})
+    mesh = reference_mesh({"x": 4})
     logits, target = torch.randn(7, 5, requires_grad=True), torch.tensor([0, 4, IGNORE, 1, 1, 3, 2])
     x = monarch.distribute_tensor(logits, mesh, {"x": Shard(0)})
     t = monarch.distribute_tensor(target, mesh, {"x": Shard(0)})
@@ -235,7 +222,7 @@ def test_cross_entropy_batch_sharded_forward_and_backward() -> None:
 
 
 def test_layer_norm_grads_of_parameters_are_partial() -> None:
-    mesh = local_mesh({"x": 2})
+    mesh = reference_mesh({"x": 2})
     base, w, b = torch.randn(3, 4, 6), torch.randn(6), torch.randn(6)
     x = monarch.distribute_tensor(base, mesh, {"x": Shard(1)})
     ws = [monarch.distribute_tensor(t, mesh) for t in (w, b)]
@@ -250,7 +237,7 @@ def test_layer_norm_grads_of_parameters_are_partial() -> None:
 
 
 def test_vocab_sharded_embedding_is_one_all_reduce() -> None:
-    mesh = local_mesh({"x": 4})
+    mesh = reference_mesh({"x": 4})
     weight, ids = torch.randn(6, 3), torch.tensor([[0, 5, 2], [3, 3, 1]])  # rows 2, 2, 2, 0 per rank
     w = monarch.distribute_tensor(weight, mesh, {"x": Shard(0)})
     i = monarch.distribute_tensor(ids, mesh)

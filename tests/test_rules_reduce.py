@@ -16,10 +16,9 @@ import monarch
 from monarch import Partial, Replicate, Shard
 from monarch.graph.propagate import decide
 from monarch.graph.rules import RULES, Emit, OpCall, Strategy, load_rules
-from monarch.runtime.reference import LocalMesh
 from monarch.tensor.instr import Buf
 from monarch.tensor.spec import AbstractMesh, Spec
-from tests.strategies import placement_tuples, tensor_meshes, tensor_shapes
+from tests.strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial("sum")
@@ -56,19 +55,7 @@ OPS: dict[str, tuple[Op, str, bool, str]] = {
     "var_mean": (lambda x, dims, k: torch.var_mean(x, dims, correction=0, keepdim=k), "float", False, "dims"),
     "std_mean": (lambda x, dims, k: torch.std_mean(x, dims[0]), "float", False, "dim"),
 }
-_meshes: dict[tuple[tuple[str, int], ...], LocalMesh] = {}
-
-
-@pytest.fixture(autouse=True)
-def strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MONARCH_STRICT", "1")
-
-
-def local_mesh(dims: dict[str, int]) -> LocalMesh:
-    key = tuple(dims.items())
-    if key not in _meshes:
-        _meshes[key] = LocalMesh(dims)
-    return _meshes[key]
+pytestmark = pytest.mark.usefixtures("strict")
 
 
 def values(shape: tuple[int, ...], kind: str, seed: int) -> torch.Tensor:
@@ -79,7 +66,7 @@ def values(shape: tuple[int, ...], kind: str, seed: int) -> torch.Tensor:
     return x > 0.5 if kind == "bool" else x + 0.5  # in [0.5, 1.5): products stay finite
 
 
-def run(mesh: LocalMesh, fn: Callable[[Any], Any], x: Any) -> tuple[list[torch.Tensor], list[str]]:
+def run(mesh: Any, fn: Callable[[Any], Any], x: Any) -> tuple[list[torch.Tensor], list[str]]:
     """fn(x)'s outputs fetched, and the collectives shipped for the op and the fetches."""
     before = len(mesh._session.collectives)
     out = fn(x)
@@ -115,7 +102,7 @@ def cases(draw: st.DrawFn, name: str) -> tuple[dict[str, int], tuple[int, ...], 
 def test_reduction_matches_torch(name: str, data: st.DataObject) -> None:
     dims, shape, placements, reduced, keep, seed = data.draw(cases(name))
     fn, kind, combines, _ = OPS[name]
-    mesh = local_mesh(dims)
+    mesh = reference_mesh(dims)
     base = values(shape, kind, seed)
     x = monarch.distribute_tensor(base, mesh, placements)
     got, comms = run(mesh, lambda t: fn(t, reduced, keep), x)
@@ -131,7 +118,7 @@ def test_reduction_matches_torch(name: str, data: st.DataObject) -> None:
 
 
 def test_sum_over_sharded_dim_is_one_all_reduce() -> None:
-    mesh = local_mesh({"x": 4})
+    mesh = reference_mesh({"x": 4})
     base = torch.randn(5, 3)
     y = monarch.distribute_tensor(base, mesh, {"x": Shard(0)}).sum(0)
     assert y.placements == (P,)
@@ -141,7 +128,7 @@ def test_sum_over_sharded_dim_is_one_all_reduce() -> None:
 
 
 def test_mean_over_uneven_shards_is_exact() -> None:
-    mesh = local_mesh({"x": 4})
+    mesh = reference_mesh({"x": 4})
     base = torch.randn(5, 3, dtype=torch.float64)  # pieces of 2, 2, 1 and 0 rows
     y = monarch.distribute_tensor(base, mesh, {"x": Shard(0)}).mean(0)
     assert y.placements == (P,)
@@ -149,7 +136,7 @@ def test_mean_over_uneven_shards_is_exact() -> None:
 
 
 def test_reduction_keeps_other_shards_and_shifts_dims() -> None:
-    mesh = local_mesh({"dp": 2, "tp": 2})
+    mesh = reference_mesh({"dp": 2, "tp": 2})
     base = torch.randn(4, 5, 6)
     x = monarch.distribute_tensor(base, mesh, {"dp": Shard(0), "tp": Shard(2)})
     y = x.sum(1)
@@ -162,7 +149,7 @@ def test_reduction_keeps_other_shards_and_shifts_dims() -> None:
 
 
 def test_partial_input_passes_through() -> None:
-    mesh = local_mesh({"x": 2})
+    mesh = reference_mesh({"x": 2})
     base = torch.randn(3, 4)
     x = monarch.distribute_tensor(base, mesh, {"x": P})
     for fn in (lambda t: t.sum(1), lambda t: t.mean(), lambda t: t.sum(0, keepdim=True)):
@@ -174,7 +161,7 @@ def test_partial_input_passes_through() -> None:
 
 
 def test_extremes_and_predicates_give_partial_max_min() -> None:
-    mesh = local_mesh({"dp": 2, "tp": 2})
+    mesh = reference_mesh({"dp": 2, "tp": 2})
     base = torch.randn(3, 5)  # dim 1 over tp: pieces of 3 and 2; dim 0 over dp: 2 and 1
     x = monarch.distribute_tensor(base, mesh, {"dp": Shard(0), "tp": Shard(1)})
     assert x.amax(1).placements == (Shard(0), Partial("max"))
@@ -188,7 +175,7 @@ def test_extremes_and_predicates_give_partial_max_min() -> None:
 
 
 def test_extremes_pad_empty_pieces() -> None:
-    mesh = local_mesh({"x": 4})
+    mesh = reference_mesh({"x": 4})
     base = torch.randint(-9, 9, (2, 3))  # dim 0 over 4 ranks: pieces of 1, 1, 0 and 0 rows
     x = monarch.distribute_tensor(base, mesh, {"x": Shard(0)})
     check(run(mesh, lambda t: t.amax(0), x)[0], base.amax(0))
@@ -196,7 +183,7 @@ def test_extremes_pad_empty_pieces() -> None:
 
 
 def test_indices_and_moments_gather_reduced_dims() -> None:
-    mesh = local_mesh({"x": 2})
+    mesh = reference_mesh({"x": 2})
     base = torch.randn(4, 6)
     x = monarch.distribute_tensor(base, mesh, {"x": Shard(1)})
     values, indices = x.max(1)

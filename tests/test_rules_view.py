@@ -19,29 +19,19 @@ from hypothesis import strategies as st
 import monarch
 from monarch.graph.rules import RULES, Emit, OpCall, Strategy
 from monarch.graph.rules_view import aligned
-from monarch.runtime.reference import LocalMesh
 from monarch.tensor import AbstractMesh, MeshTensor, Partial, Replicate, Shard, Spec
 from monarch.tensor.instr import Buf
-from strategies import placement_tuples, tensor_meshes, tensor_shapes
+from strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial("sum")
 MESHES = ({"x": 1}, {"x": 2}, {"x": 4}, {"dp": 2, "tp": 2})
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-_meshes: dict[tuple[tuple[str, int], ...], LocalMesh] = {}
+pytestmark = pytest.mark.usefixtures("strict")
+mesh_of = reference_mesh
 
 
 # -- helpers (test_rules_index.py uses them too) ------------------------------------------------------
-@pytest.fixture(autouse=True)
-def strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MONARCH_STRICT", "1")
-
-
-def mesh_of(dims: dict[str, int]) -> LocalMesh:
-    key = tuple(dims.items())
-    if key not in _meshes:
-        _meshes[key] = LocalMesh(dims)
-    return _meshes[key]
 
 
 def data(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
