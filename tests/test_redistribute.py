@@ -135,3 +135,19 @@ def test_redistribute_accepts_dict_and_rejects_unknown_dims() -> None:
         x.redistribute({"pp": S0})
     with pytest.raises(monarch.ShardingError, match="out of range"):
         x.redistribute({"dp": Shard(2)})
+
+
+def test_explain_prints_specs_outline_and_rank_programs(capsys: pytest.CaptureFixture[str]) -> None:
+    """A column- then row-parallel matmul: the graph shows each op's input and output placements,
+    the outline counts the redistribution on the longest chain, and every rank's program has the
+    single all_reduce."""
+    mesh = reference_mesh({"dp": 2, "tp": 2})
+    x = monarch.distribute_tensor(torch.randn(4, 6), mesh, {"dp": Shard(0)})
+    w1 = monarch.distribute_tensor(torch.randn(6, 8), mesh, {"tp": Shard(1)})
+    w2 = monarch.distribute_tensor(torch.randn(8, 6), mesh, {"tp": Shard(0)})
+    text = monarch.explain(lambda a, b, c: ((a @ b) @ c).redistribute({"dp": Shard(0)}), x, w1, w2)
+    assert text in capsys.readouterr().out
+    assert "mm(%" in text and "-> float32[4, 6][S(0), P(sum)]" in text
+    assert "3 ops; longest chain 3 ops with 1 redistributions" in text
+    programs = text.split("rank (")[1:]
+    assert len(programs) == 4 and all(p.count("all_reduce") == 1 and "mdim=1" in p for p in programs)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import networkx as nx
 import torch.fx as fx
 
 from monarch.graph.rules import Emit, op_name
-from monarch.graph.trace import TracedGraph
+from monarch.graph.trace import TracedGraph, redistribute
 from monarch.tensor.instr import Free, Instr, Local
 
 
@@ -72,6 +73,23 @@ def _emit(node: fx.Node, coords: tuple[int, ...], base: int) -> tuple[list[Instr
 
 def _outs(ins: Instr) -> tuple[int, ...]:
     return ins.outs if isinstance(ins, Local) else (ins.out,) if hasattr(ins, "out") else ()
+
+
+def outline(traced: TracedGraph) -> str:
+    """The graph as a DAG (networkx): how many nodes, its longest dependency chain and how many
+    redistributions sit on it (they cannot overlap anything), and its widest level."""
+    g = nx.DiGraph()
+    for node in traced.graph.nodes:
+        if node.op != "placeholder":
+            g.add_node(node)
+            g.add_edges_from((src, node) for src in node.all_input_nodes if src.op != "placeholder")
+    if not g:
+        return "no ops"
+    chain = nx.dag_longest_path(g)
+    moves = sum(1 for n in chain if n.target is redistribute)
+    widest = max(len(level) for level in nx.topological_generations(g))
+    return (f"{g.number_of_nodes()} ops; longest chain {len(chain)} ops with {moves} redistributions; "
+            f"widest level {widest} ops")
 
 
 def dead_after(traced: TracedGraph) -> dict[fx.Node, tuple[int, ...]]:

@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from monarch.errors import ShardingError
-from monarch.graph.partition import partition
+from monarch.graph.partition import outline, partition
 from monarch.graph.rules import Emit
 from monarch.runtime import codec
 from monarch.runtime.futures import Future
@@ -142,7 +142,8 @@ def synchronize(procs: Any | None = None, timeout: float | None = None) -> None:
 
 
 def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
-    """Run `fn(*args)`; print and return its traced graph with specs and each rank's program."""
+    """Run `fn(*args)`; print and return its traced graph with specs, its outline as a DAG, and each
+    rank's program."""
     sessions = {a._backend for a in args if isinstance(a, MeshTensor)}
     for s in sessions:
         assert isinstance(s, Session)
@@ -153,7 +154,8 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
         assert isinstance(s, Session)
         traced = s.tracer.take()
         programs = partition(traced)
-        texts.append(f"graph on {s.abstract}:\n{traced}\n\n" + "\n".join(str(p) for p in programs))
+        texts.append(f"graph on {s.abstract} ({outline(traced)}):\n{traced}\n\n" +
+                     "\n".join(str(p) for p in programs))
         s.ship(traced, programs)
     text = "\n\n".join(texts)
     print(text)
