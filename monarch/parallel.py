@@ -8,6 +8,7 @@ parallelism; every tensor no style covers is replicated.
 """
 from __future__ import annotations
 
+import abc
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ def check_dim(dim: str, names: Sequence[str], what: str) -> None:
 
 
 @dataclass(frozen=True)
-class ParallelStyle:
+class ParallelStyle(abc.ABC):
     """Base of the styles: `dim` names the mesh dim; `input_layout`/`output_layout` (None: leave as is)
     are the placements a module's tensor inputs and outputs are redistributed to over that dim."""
     dim: str = "tp"
@@ -58,9 +59,9 @@ class ParallelStyle:
     output_layout: Placement | None = None
     supports: ClassVar[tuple[type[nn.Module], ...]] = (nn.Module,)
 
+    @abc.abstractmethod
     def param_placements(self, module: nn.Module) -> dict[str, Placement]:
         """Placement over `dim` of each of the module's own parameters this style decides."""
-        raise NotImplementedError
 
     def input_placement(self, module: nn.Module) -> Placement | None:
         return self.input_layout

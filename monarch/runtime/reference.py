@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from monarch.errors import MeshError
 from monarch.graph.partition import RankProgram
 from monarch.graph.trace import TracedGraph
 from monarch.runtime import codec
@@ -44,7 +45,7 @@ class LocalMesh(MeshView):
         self._session = ReferenceSession(self)
 
     def _with_shape(self, shape: Shape) -> LocalMesh:
-        raise NotImplementedError("a LocalMesh cannot be sliced; build one with the dims you need")
+        raise MeshError("a LocalMesh cannot be sliced; build a LocalMesh with the dims you need")
 
     def __repr__(self) -> str:
         return f"<LocalMesh {self.extent}>"
