@@ -131,16 +131,7 @@ def test_workers_exit_when_the_controller_is_killed() -> None:
         print("up", flush=True)
         time.sleep(60)
     """)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "up"
-        assert owned_processes(child.pid)
-    finally:
-        child.kill()
-        child.wait(timeout=T)
-    deadline = time.monotonic() + 10
-    while owned_processes(child.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not owned_processes(child.pid), owned_processes(child.pid)
+    kill_when_up_and_expect_no_workers(child, within=10)
 
 
 def test_busy_workers_die_with_a_killed_controller() -> None:
@@ -159,6 +150,11 @@ def test_busy_workers_die_with_a_killed_controller() -> None:
         print("up", flush=True)
         time.sleep(60)
     """)
+    kill_when_up_and_expect_no_workers(child, within=5)
+
+
+def kill_when_up_and_expect_no_workers(child: subprocess.Popen, within: float) -> None:
+    """SIGKILL a controller script once it printed "up"; its workers must be gone `within` seconds."""
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "up"
         time.sleep(0.5)
@@ -166,7 +162,7 @@ def test_busy_workers_die_with_a_killed_controller() -> None:
     finally:
         child.kill()
         child.wait(timeout=T)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + within
     while owned_processes(child.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not owned_processes(child.pid), owned_processes(child.pid)
