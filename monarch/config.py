@@ -33,6 +33,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_WORKER_THREADS", "0", "torch intra-op threads per worker (0: the host's cores over its workers)"),
     Flag("MONARCH_BUCKET_BYTES", str(4 << 20), "compiled steps: all_reduces start early and share buckets up to "
          "this size (0: run them where they are, blocking)"),
+    Flag("MONARCH_TELEMETRY", "1", "0 turns off recording of telemetry events (messages, programs, failures, ...)"),
+    Flag("MONARCH_TELEMETRY_DB", "", "a file for the telemetry database (default: in memory)"),
     Flag("MONARCH_FLUSH_OPS", "20000", "recorded ops after which the pending graph is shipped without a sync"),
 ]}
 
@@ -87,6 +89,14 @@ def worker_threads() -> int:
 
 def bucket_bytes() -> int:
     return int(_get("MONARCH_BUCKET_BYTES", int))  # type: ignore[arg-type]
+
+
+def telemetry() -> bool:
+    return bool(_get("MONARCH_TELEMETRY", _bool))
+
+
+def telemetry_db() -> str:
+    return str(_get("MONARCH_TELEMETRY_DB", str))
 
 
 def flush_ops() -> int:

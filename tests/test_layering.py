@@ -20,7 +20,7 @@ MAX_LINES = 600
 WORKER_SIDE = ("monarch.runtime.commands", "monarch.runtime.codec", "monarch.runtime.worker",
                "monarch.runtime.bootstrap", "monarch.runtime.hosting", "monarch.runtime.shape",
                "monarch.runtime.transport", "monarch.runtime.engine", "monarch.runtime.tensor_service",
-               "monarch.runtime.kernels", "monarch.runtime.collectives")
+               "monarch.runtime.kernels", "monarch.runtime.collectives", "monarch.runtime.telemetry")
 TENSOR_MAY_IMPORT = ("monarch.errors", "monarch.config", "monarch.tensor")
 
 

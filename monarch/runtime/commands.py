@@ -98,6 +98,12 @@ class InvokeProgram:
 
 
 @dataclass(frozen=True)
+class ShipTelemetry:
+    """Send the telemetry events recorded since the last batch, as the value of a Reply to `call_id`."""
+    call_id: int
+
+
+@dataclass(frozen=True)
 class Stop:
     """Finish the queued work, close the connection and exit cleanly."""
 

@@ -28,6 +28,8 @@ from monarch.runtime.commands import (CONTROLLER, Call, Forward, Hello, MeshFail
 from monarch.runtime.futures import CallState
 from monarch.runtime.poller import Poller
 from monarch.runtime.shape import Shape
+from monarch.runtime.telemetry import RECORDER, Events, now_us, record_logs
+from monarch.runtime.telemetry_db import STORE
 
 log = logging.getLogger("monarch.controller")
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its header
@@ -307,6 +309,8 @@ class Controller:
         text = data.decode(errors="replace")
         if stream is sys.stderr:
             mesh.stderr_tail.extend(text.splitlines())
+        if RECORDER.on:
+            record_logs(mesh.name, mesh.shape, "stderr" if stream is sys.stderr else "stdout", text)
         stream.write(text)
         stream.flush()
 
@@ -342,14 +346,19 @@ class Controller:
         kind = type(msg)
         if kind is Reply:
             sink = mesh.pending.get((msg.reply_to, msg.call_id))
+            if not msg.ok and RECORDER.on:
+                RECORDER.add("failures", (msg.rank, mesh.name, "remote error", getattr(sink, "what", ""), "", now_us()))
             if sink is not None:
                 sink.deliver(msg.rank, msg.ok, msg.value)
                 if sink.done:
                     mesh.pending.pop((msg.reply_to, msg.call_id), None)
         elif kind is Forward:
             self._forward(conn, msg)
+        elif kind is Events:
+            STORE.add(msg)
         elif kind is Hello:
             mesh.pids[conn.header.rank] = msg.pid
+            RECORDER.add("procs", (conn.header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
             if all(c is not None for c in mesh.conns) and all(mesh.pids):
                 mesh.settled.set()
         elif kind is ProcExit:
@@ -387,8 +396,12 @@ class Controller:
         if not mesh.live:
             return
         failure = MeshFailure(mesh.name, rank, mesh.coords(rank) if rank >= 0 else "", pid, status)
-        mesh.failure = SupervisionError(failure.message() + "; spawn a new proc mesh to continue",
+        mesh.failure = SupervisionError(failure.message() + "; spawn a new proc mesh to continue (the "
+                                        "failures and logs tables of monarch.sql() hold what led to it)",
                                         rank=rank, coords=failure.coords, status=status)
+        now = now_us()
+        RECORDER.add("failures", (rank, mesh.name, "supervision", "worker process", status, now))
+        RECORDER.add("procs", (rank, mesh.name, pid, "", "died", status, now))
         mesh.settled.set()
         for sink in list(mesh.pending.values()):
             sink.fail_missing(mesh.failure)

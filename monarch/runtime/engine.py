@@ -16,6 +16,7 @@ import torch
 
 from monarch.errors import RemoteError
 from monarch.runtime.kernels import KERNELS
+from monarch.runtime.telemetry import RECORDER, now_us
 from monarch.tensor.instr import Buf, Comm, Free, Instr, Local, Start, Wait
 
 
@@ -126,12 +127,15 @@ class Engine:
     def comm(self, ins: Comm) -> None:
         assert self.transport is not None, "this engine has no transport"
         x = self.comm_input(ins)
+        start = now_us()
         try:
             out = self.transport(ins, x)
         except Exception as e:  # noqa: BLE001
             self._fail((ins.out,), f"{ins.kind} over mesh dim {ins.mdim}", e)
             return
         self.comm_output(ins, out)
+        if RECORDER.on:
+            RECORDER.add("collectives", (self.rank, ins.kind, ins.mdim, x.nbytes, start, now_us()))
 
     def bucket_input(self, ins: Start) -> torch.Tensor:
         """The bucket's buffers flattened into one (zeros for poisoned ones)."""
@@ -151,7 +155,10 @@ class Engine:
 
     def start(self, ins: Start) -> None:
         assert self.transport is not None, "this engine has no transport"
-        self.pending[ins.outs] = (ins, self.transport.start(ins, self.bucket_input(ins)))
+        flat = self.bucket_input(ins)
+        self.pending[ins.outs] = (ins, self.transport.start(ins, flat))
+        if RECORDER.on:
+            RECORDER.add("collectives", (self.rank, "all_reduce (bucket)", ins.mdim, flat.nbytes, now_us(), 0))
 
     def wait(self, ins: Wait) -> None:
         entry = self.pending.pop(ins.outs, None)

@@ -9,11 +9,14 @@ from typing import Any
 
 from monarch.errors import MeshError, SupervisionError
 from monarch.runtime import codec
-from monarch.runtime.commands import SpawnActor
+from monarch.runtime.commands import CONTROLLER, ShipTelemetry, SpawnActor
 from monarch.runtime.controller import Mesh, controller
 from monarch.runtime.endpoint import endpoints_of
+from monarch.runtime.futures import CallState, Future, mesh_result
 from monarch.runtime.mesh import ActorMesh
 from monarch.runtime.shape import MeshView, Shape
+from monarch.runtime.telemetry import RECORDER, now_us
+from monarch.runtime.telemetry_db import STORE, Rows
 
 
 class HostMesh(MeshView):
@@ -50,6 +53,27 @@ class HostMesh(MeshView):
         return f"<HostMesh {self._hosts}>"
 
 
+def collect(mesh: Mesh, timeout: float) -> None:
+    """Fetch the events the workers of `mesh` recorded (nothing when the mesh is gone)."""
+    if not mesh.live:
+        return
+    ctl = controller()
+    state = CallState(mesh.shape, f"telemetry of {mesh.name!r}")
+    call_id = ctl.next_call_id()
+    mesh.pending[(CONTROLLER, call_id)] = state
+    ctl.fan_out(mesh, mesh.shape, codec.encode_frame([ShipTelemetry(call_id)]))
+    for events in Future(state, ctl, mesh_result).get(timeout).values():
+        STORE.add(events)
+
+
+def sql(query: str, timeout: float = 30.0) -> Rows:
+    """Run SQL over the telemetry of this process and of every running mesh (`monarch.sql`)."""
+    for mesh in list(controller().meshes.values()):
+        collect(mesh, timeout)
+    STORE.add(RECORDER.take())
+    return STORE.sql(query)
+
+
 def this_host() -> HostMesh:
     """The machine the controller runs on."""
     return HostMesh(["localhost"])
@@ -79,6 +103,9 @@ class ProcMesh(MeshView):
             raise self._mesh.failure or SupervisionError(f"proc mesh {self.name!r} is stopped; spawn a new one")
         self._mesh.actors.add(name)
         controller().fan_out(self._mesh, self._shape, codec.encode_frame([msg]))
+        now = now_us()
+        for r in self._shape.ranks():
+            RECORDER.add("actors", (r, self.name, name, actor_cls.__name__, now))
         return ActorMesh(self._mesh.id, name, actor_cls.__name__, frozenset(table), self._shape)
 
     def stop(self) -> None:
@@ -89,6 +116,13 @@ class ProcMesh(MeshView):
     def pids(self) -> list[int]:
         """Process ids of the workers of this view, in row-major order."""
         return [self._mesh.pids[r] for r in self._shape.ranks()]
+
+    def sql(self, query: str, timeout: float = 30.0) -> Rows:
+        """Run SQL over the telemetry of this process (controller and every mesh), after fetching what
+        this mesh's workers recorded. Tables: see monarch/runtime/telemetry.py."""
+        collect(self._mesh, timeout)
+        STORE.add(RECORDER.take())
+        return STORE.sql(query)
 
     def activate(self) -> Any:
         """Context manager: plain torch factories (torch.randn, torch.zeros, ...) create MeshTensors here."""

@@ -16,6 +16,7 @@ from monarch.runtime import codec
 from monarch.runtime.commands import InstallProgram, InvokeProgram, RunProgram
 from monarch.runtime.engine import Engine
 from monarch.runtime.shape import Shape
+from monarch.runtime.telemetry import RECORDER, now_us
 from monarch.runtime.transport.mpi import MpiTransport
 from monarch.tensor.instr import Free, Instr
 
@@ -51,16 +52,23 @@ class TensorService:
         self.engine.free(Free(msg.frees))
         self._view = view
         self._coords, label = self._place(view)
+        start = now_us()
         outer = self.engine.bind(msg.inputs, msg.feeds)
         try:
             self.engine.run(program, self._coords, label)
         finally:
             self.engine.unbind(msg.outputs, outer)
+        if RECORDER.on:
+            RECORDER.add("ops", (self.rank, msg.pid, "compiled program", len(program), start, now_us()))
 
     def run(self, msg: RunProgram) -> tuple[bool, bytes]:
         self._view = msg.view
         self._coords, label = self._place(msg.view)
-        self.engine.run(assemble(msg.shared, msg.patches), self._coords, label)
+        start = now_us()
+        program = assemble(msg.shared, msg.patches)
+        self.engine.run(program, self._coords, label)
+        if RECORDER.on:
+            RECORDER.add("ops", (self.rank, 0, "eager flush", len(program), start, now_us()))
         if not msg.call_id:
             return True, b""
         try:

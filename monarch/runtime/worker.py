@@ -19,12 +19,13 @@ from monarch import config
 from monarch.errors import TransportError
 from monarch.runtime import codec
 from monarch.runtime.commands import (CONTROLLER, Call, Forward, InstallProgram, InvokeProgram, Reply, RunProgram,
-                                      SpawnActor, Stop, Supervise)
+                                      ShipTelemetry, SpawnActor, Stop, Supervise)
 from monarch.runtime.context import set_client
 from monarch.runtime.futures import CallState
 from monarch.runtime.hosting import HostedActor
 from monarch.runtime.shape import Shape
 from monarch.runtime.spin import AdaptiveSpin
+from monarch.runtime.telemetry import BATCH, RECORDER, Events, now_us, rss_bytes
 
 
 class Worker:
@@ -46,7 +47,9 @@ class Worker:
         self._handlers: dict[type, Callable[[Any], None]] = {
             SpawnActor: self._spawn, Call: self._call, Reply: self._reply, Stop: self._stop, Supervise: self._supervise,
             RunProgram: self._run_program, InstallProgram: self._tensor_msg, InvokeProgram: self._tensor_msg,
+            ShipTelemetry: self._ship_telemetry,
         }
+        self._arrived: dict[int, int] = {}  # id(Call) -> when it arrived (µs), for the messages table
         self._tensors: Any = None  # the tensor engine, created (with torch) on the first RunProgram
 
     def serve(self) -> None:
@@ -102,6 +105,8 @@ class Worker:
                 if type(msg) is Reply:
                     self._reply(msg)
                 elif type(msg) in self._handlers:
+                    if type(msg) is Call and RECORDER.on:
+                        self._arrived[id(msg)] = now_us()
                     self._inbox.append(msg)
                 else:
                     print(f"monarch worker: dropped unknown message {type(msg).__name__}", file=sys.stderr)
@@ -113,6 +118,8 @@ class Worker:
         self._pending.clear()
 
     def flush(self) -> None:
+        if RECORDER.count >= BATCH:
+            self._outbox.append(self._events())
         if self._outbox:
             frame, self._outbox = codec.encode_frame(self._outbox), []
             self.sock.sendall(frame)
@@ -123,6 +130,7 @@ class Worker:
 
     def _call(self, msg: Call) -> None:
         actor = self._actors.get(msg.actor)
+        start = now_us()
         if actor is None:
             ok, value = False, codec.dumps(TransportError(f"rank {self.rank} hosts no actor {msg.actor!r}"))
         else:
@@ -131,6 +139,9 @@ class Worker:
                 ok, value = actor.run(msg.endpoint, msg.args)
             finally:
                 self._busy.discard(msg.actor)
+        if RECORDER.on:
+            RECORDER.add("messages", (self.rank, msg.actor, msg.endpoint, len(msg.args),
+                                      self._arrived.pop(id(msg), start), start, now_us(), "ok" if ok else "error"))
         if msg.want_reply:
             self._outbox.append(Reply(msg.call_id, msg.reply_to, self.rank, ok, value))
         elif not ok:
@@ -157,6 +168,16 @@ class Worker:
         if msg.call_id:
             ok, value = reply
             self._outbox.append(Reply(msg.call_id, CONTROLLER, self.rank, ok, value))
+
+    def _ship_telemetry(self, msg: ShipTelemetry) -> None:
+        self._outbox.append(Reply(msg.call_id, CONTROLLER, self.rank, True, codec.dumps_data(self._events())))
+
+    def _events(self) -> Events:
+        """This worker's pending events, with a memory sample."""
+        store = self._tensors.engine.store if self._tensors is not None else {}
+        tensors = [v for v in store.values() if hasattr(v, "nbytes")]
+        RECORDER.add("memory", (self.rank, rss_bytes(), sum(t.nbytes for t in tensors), len(tensors), now_us()))
+        return RECORDER.take()
 
     def _stop(self, msg: Stop) -> None:
         self._stopped = True

@@ -1,0 +1,78 @@
+"""The controller's telemetry database: an embedded DuckDB (in memory, or MONARCH_TELEMETRY_DB).
+
+Events from the controller itself and batches from the workers wait in per-table lists and are loaded
+into DuckDB, column by column through numpy, right before a query runs (a few hundred thousand rows
+per second); `sql()` returns `Rows`, a list of tuples that knows its column names.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from monarch import config
+from monarch.runtime.telemetry import TABLES, Events
+
+
+class Rows(list):
+    """Query results: a list of tuples, with `.columns`, and `.df()` when pandas is installed."""
+
+    def __init__(self, rows: list[tuple], columns: list[str]) -> None:
+        super().__init__(rows)
+        self.columns = columns
+
+    def df(self) -> Any:
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("Rows.df() needs pandas: pip install pandas") from None
+        return pd.DataFrame(list(self), columns=self.columns)
+
+
+class Store:
+    """Pending events and the DuckDB connection they are loaded into."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[tuple]] = {t: [] for t in TABLES}
+        self._con: Any = None
+        self.loaded = 0
+
+    def add(self, events: Events) -> None:
+        with self._lock:
+            for table, rows in events.rows.items():
+                if table in self._pending:
+                    self._pending[table].extend(rows)
+
+    def sql(self, query: str) -> Rows:
+        """Run `query` over every event recorded so far."""
+        con = self._connect()
+        self._load(con)
+        cur = con.execute(query)
+        return Rows(cur.fetchall(), [d[0] for d in cur.description or ()])
+
+    def _connect(self) -> Any:
+        if self._con is None:
+            import duckdb
+            self._con = duckdb.connect(config.telemetry_db() or ":memory:")
+            for table, cols in TABLES.items():
+                self._con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(f'{c} {t}' for c, t in cols)})")
+        return self._con
+
+    def _load(self, con: Any) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {t: [] for t in TABLES}
+        for table, rows in pending.items():
+            if not rows:
+                continue
+            cols = TABLES[table]
+            data = {name: np.array(values, dtype=object if kind == "VARCHAR" else np.int64)
+                    for (name, kind), values in zip(cols, zip(*rows), strict=True)}
+            con.register("_batch", data)
+            con.execute(f"INSERT INTO {table} SELECT {', '.join(c for c, _ in cols)} FROM _batch")
+            con.unregister("_batch")
+            self.loaded += len(rows)
+
+
+STORE = Store()

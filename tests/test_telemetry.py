@@ -1,0 +1,102 @@
+"""Telemetry: events recorded on every process, shipped in batches, queried with SQL (DuckDB)."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import monarch
+from monarch import Shard
+from monarch.actor import Actor, ProcMesh, endpoint, this_host
+from monarch.errors import SupervisionError
+from monarch.runtime.telemetry import TABLES
+
+T = 30.0
+
+
+class Echo(Actor):
+    @endpoint
+    def ping(self, x: int) -> int:
+        return x
+
+    @endpoint
+    def shout(self) -> None:
+        print("telemetry says hi", flush=True)
+
+    @endpoint
+    def fail(self) -> None:
+        raise ValueError("no")
+
+
+def test_calls_become_rows_of_messages(procs: ProcMesh) -> None:
+    echo = procs.spawn("telemetry_echo", Echo)
+    one = echo.slice(dp=0, tp=1)
+    for i in range(1000):
+        one.ping.call_one(i).get(timeout=T)
+    rows = procs.sql("SELECT rank, endpoint, count(*), min(end_us - start_us) >= 0, min(start_us - enqueue_us) >= 0, "
+                     "max(status) FROM messages WHERE actor = 'telemetry_echo' GROUP BY rank, endpoint")
+    assert rows == [(1, "ping", 1000, True, True, "ok")]
+    assert rows.columns[:2] == ["rank", "endpoint"]
+    assert procs.sql("SELECT count(*) FROM actors WHERE actor = 'telemetry_echo'") == [(4,)]
+
+
+def test_errors_logs_and_standard_sql(procs: ProcMesh) -> None:
+    echo = procs.spawn("telemetry_sql", Echo)
+    echo.shout.call().get(timeout=T)
+    with pytest.raises(monarch.ActorError):
+        echo.slice(dp=1, tp=1).fail.call_one().get(timeout=T)
+    for i in range(20):
+        echo.ping.call(i).get(timeout=T)
+    assert procs.sql("SELECT rank FROM logs WHERE text = 'telemetry says hi' ORDER BY rank") == [(0,), (1,), (2,), (3,)]
+    assert ("remote error", "telemetry_sql.fail") in procs.sql("SELECT kind, what FROM failures WHERE rank = 3")
+    # a join, a window function and a percentile: the slowest call per rank
+    rows = procs.sql("""
+        SELECT rank, endpoint, took FROM (
+            SELECT m.rank, m.endpoint, m.end_us - m.start_us AS took,
+                   row_number() OVER (PARTITION BY m.rank ORDER BY m.end_us - m.start_us DESC) AS k
+            FROM messages m JOIN actors a ON a.rank = m.rank AND a.actor = m.actor
+            WHERE m.actor = 'telemetry_sql') WHERE k = 1 ORDER BY rank""")
+    assert [r[0] for r in rows] == [0, 1, 2, 3] and all(r[2] >= 0 for r in rows)
+    p50 = procs.sql("SELECT quantile_cont(end_us - start_us, 0.5) FROM messages WHERE actor = 'telemetry_sql'")
+    assert p50[0][0] >= 0
+
+
+def test_tensor_programs_collectives_and_memory(procs: ProcMesh) -> None:
+    x = monarch.distribute_tensor(torch.randn(8, 8), procs, {"dp": Shard(0)})
+    before = procs.sql("SELECT count(*) FROM collectives WHERE kind = 'all_reduce'")[0][0]
+    x.sum().item()
+    after = procs.sql("SELECT count(*), min(bytes) FROM collectives WHERE kind = 'all_reduce'")[0]
+    assert after[0] - before == 4 and after[1] > 0  # one all_reduce, seen by each of the 4 ranks
+    assert procs.sql("SELECT count(DISTINCT rank) FROM ops WHERE op = 'eager flush'") == [(4,)]
+    assert procs.sql("SELECT count(DISTINCT rank), min(rss_bytes) > 0 FROM memory") == [(4, True)]
+
+
+def test_kill_9_is_one_failures_row_with_the_signal() -> None:
+    with this_host().spawn_procs(per_host={"gpus": 2}, name="telemetry_victim") as victim:
+        pid = victim.pids[1]
+        echo = victim.spawn("e", Echo)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(SupervisionError, match="failures"):
+            echo.ping.call(1).get(timeout=T)
+    rows = monarch.sql("SELECT rank, kind, detail FROM failures WHERE mesh = 'telemetry_victim'")
+    assert rows == [(1, "supervision", "killed by signal 9 (SIGKILL)")]
+    assert ("died",) in monarch.sql(f"SELECT event FROM procs WHERE mesh = 'telemetry_victim' AND pid = {pid}")
+
+
+def test_every_table_exists_with_rank() -> None:
+    for table, cols in TABLES.items():
+        assert cols[0] == ("rank", "INTEGER"), table
+        assert monarch.sql(f"SELECT * FROM {table} LIMIT 0").columns == [c for c, _ in cols]
+
+
+def test_a_separate_store_loads_batches() -> None:
+    from monarch.runtime.telemetry import Events
+    from monarch.runtime.telemetry_db import Store
+    store = Store()
+    rows = [(i % 4, "a", "ping", 100, i, i + 1, i + 2, "ok") for i in range(20_000)]
+    store.add(Events({"messages": rows[:5000]}))
+    store.add(Events({"messages": rows[5000:]}))
+    assert store.sql("SELECT count(*), count(DISTINCT rank), sum(end_us - start_us) FROM messages") == [
+        (20_000, 4, 20_000)]
