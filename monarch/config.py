@@ -35,6 +35,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "this size (0: run them where they are, blocking)"),
     Flag("MONARCH_TELEMETRY", "1", "0 turns off recording of telemetry events (messages, programs, failures, ...)"),
     Flag("MONARCH_TELEMETRY_DB", "", "a file for the telemetry database (default: in memory)"),
+    Flag("MONARCH_ADMIN", "1", "0: the controller does not answer `monarch query` / `monarch top`"),
     Flag("MONARCH_FLUSH_OPS", "20000", "recorded ops after which the pending graph is shipped without a sync"),
 ]}
 
@@ -97,6 +98,10 @@ def telemetry() -> bool:
 
 def telemetry_db() -> str:
     return str(_get("MONARCH_TELEMETRY_DB", str))
+
+
+def admin() -> bool:
+    return bool(_get("MONARCH_ADMIN", _bool))
 
 
 def flush_ops() -> int:

@@ -149,6 +149,9 @@ class Controller:
             logging.basicConfig()
             log.setLevel(logging.DEBUG)
         atexit.register(self.shutdown)
+        if config.admin():
+            from monarch.runtime.admin import AdminServer
+            self.admin = AdminServer()
 
     # -- client protocol -------------------------------------------------------------------------
     def next_call_id(self) -> int:

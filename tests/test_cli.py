@@ -1,0 +1,83 @@
+"""`monarch query` and `monarch top` attached to a real running controller (another process)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from monarch.runtime.admin import TOKEN_BYTES, announce_dir, recv_json, send_json
+from test_supervision import _run_script
+
+T = 60
+
+
+@pytest.fixture(scope="module")
+def controller_pid() -> Iterator[int]:
+    child = _run_script("""
+        import time
+        from monarch.actor import Actor, endpoint, this_host
+
+        class Echo(Actor):
+            @endpoint
+            def ping(self, x: int) -> int:
+                return x
+
+        procs = this_host().spawn_procs(per_host={"dp": 2, "tp": 2})
+        echo = procs.spawn("cli_echo", Echo)
+        for i in range(250):
+            echo.ping.call(i).get(timeout=30)
+        print("up", flush=True)
+        time.sleep(120)
+    """)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        yield child.pid
+    finally:
+        child.terminate()
+        child.wait(timeout=T)
+
+
+def monarch_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "monarch", *args], capture_output=True, text=True, timeout=T,
+                          env={**os.environ, "COLUMNS": "120"})
+
+
+def test_query_prints_a_table(controller_pid: int) -> None:
+    out = monarch_cli("query", "--pid", str(controller_pid), "SELECT rank, count(*) AS calls FROM messages "
+                      "WHERE actor = 'cli_echo' GROUP BY rank ORDER BY rank")
+    assert out.returncode == 0, out.stderr
+    assert "calls" in out.stdout and out.stdout.count("250") == 4
+
+
+def test_query_errors_are_reported(controller_pid: int) -> None:
+    out = monarch_cli("query", "--pid", str(controller_pid), "SELEC nothing")
+    assert out.returncode == 1 and "Parser Error" in out.stderr
+
+
+def test_top_renders_the_mesh_headless(controller_pid: int) -> None:
+    out = monarch_cli("top", "--once", "--pid", str(controller_pid))
+    assert out.returncode == 0, out.stderr
+    for rank in range(4):
+        assert f"procs rank {rank}" in out.stdout
+    assert "actors: cli_echo" in out.stdout and "msgs_per_s" in out.stdout and "latest failures" in out.stdout
+
+
+def test_admin_endpoint_needs_the_token(controller_pid: int) -> None:
+    info = json.loads((announce_dir() / f"controller-{controller_pid}.json").read_text())
+    assert (announce_dir() / f"controller-{controller_pid}.json").stat().st_mode & 0o077 == 0
+    with socket.create_connection(("127.0.0.1", info["port"]), timeout=10) as sock:
+        sock.sendall(b"\0" * TOKEN_BYTES)
+        send_json(sock, {"sql": "SELECT 1"})
+        time.sleep(0.2)
+        with pytest.raises(ConnectionError):
+            recv_json(sock)
+    with socket.create_connection(("127.0.0.1", info["port"]), timeout=10) as sock:
+        sock.sendall(bytes.fromhex(info["token"]))
+        send_json(sock, {"sql": "SELECT 41 + 1"})
+        assert recv_json(sock) == {"columns": ["(41 + 1)"], "rows": [[42]]}
