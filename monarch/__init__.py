@@ -19,6 +19,7 @@ _LAZY = {
     "Partial": "monarch.tensor", "Placement": "monarch.tensor",
     "register_rule": "monarch.graph.rules", "compile": "monarch.runtime.compile",
     "manual_seed": "monarch.tensor.random", "sql": "monarch.runtime.procs",
+    "debug": "monarch.runtime.procs",
     **{name: "monarch.runtime.tensors" for name in (
         "distribute_tensor", "randn", "rand", "randint", "zeros", "ones", "full", "empty", "arange",
         "fetch", "synchronize", "explain", "local_map")},

@@ -100,3 +100,18 @@ def test_a_separate_store_loads_batches() -> None:
     store.add(Events({"messages": rows[5000:]}))
     assert store.sql("SELECT count(*), count(DISTINCT rank), sum(end_us - start_us) FROM messages") == [
         (20_000, 4, 20_000)]
+
+
+def test_debug_prints_the_events_before_a_failure(procs: ProcMesh, capsys: pytest.CaptureFixture[str]) -> None:
+    echo = procs.spawn("telemetry_debug", Echo)
+    one = echo.slice(dp=1, tp=0)
+    for i in range(3):
+        one.ping.call_one(i).get(timeout=T)
+    with pytest.raises(monarch.ActorError):
+        one.fail.call_one().get(timeout=T)
+    rows = monarch.debug(5)
+    out = capsys.readouterr().out
+    assert "last 5 events of rank 2 up to its failure" in out
+    kinds = [r[1] for r in rows]
+    assert kinds[:2] == ["failure", "message"] and "telemetry_debug.fail error" in rows[1][2]
+    assert "telemetry_debug.ping ok" in out

@@ -74,6 +74,28 @@ def sql(query: str, timeout: float = 30.0) -> Rows:
     return STORE.sql(query)
 
 
+def debug(n: int = 20, rank: int | None = None, timeout: float = 30.0) -> Rows:
+    """Print (and return) the last `n` events of the rank of the latest failure (or of `rank`) up to that
+    failure: its messages, programs, collectives, log lines and failures, newest first."""
+    fail = sql("SELECT rank, time_us FROM failures ORDER BY time_us DESC LIMIT 1", timeout)
+    who = rank if rank is not None else (fail[0][0] if fail else 0)
+    until = fail[0][1] + 1_000_000 if fail else 1 << 62
+    rows = STORE.sql(f"""
+        SELECT time_us, kind, what FROM (
+            SELECT end_us AS time_us, 'message' AS kind, actor || '.' || endpoint || ' ' || status AS what, rank
+              FROM messages
+            UNION ALL SELECT end_us, 'program', op || ' ' || program || ' (' || instructions || ' instructions)', rank
+              FROM ops
+            UNION ALL SELECT start_us, 'collective', kind || ' over mesh dim ' || mdim, rank FROM collectives
+            UNION ALL SELECT time_us, 'log', stream || ': ' || text, rank FROM logs
+            UNION ALL SELECT time_us, 'failure', kind || ' ' || what || ' ' || detail, rank FROM failures)
+        WHERE rank = {int(who)} AND time_us <= {until} ORDER BY time_us DESC LIMIT {int(n)}""")
+    print(f"last {len(rows)} events of rank {who}" + (" up to its failure" if fail and rank is None else ""))
+    for t, kind, what in rows:
+        print(f"  {t}  {kind:10}  {what}")
+    return rows
+
+
 def this_host() -> HostMesh:
     """The machine the controller runs on."""
     return HostMesh(["localhost"])
