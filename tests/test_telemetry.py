@@ -11,7 +11,7 @@ import monarch
 from monarch import Shard
 from monarch.actor import Actor, ProcMesh, endpoint, this_host
 from monarch.errors import SupervisionError
-from monarch.runtime.telemetry import TABLES
+from monarch.runtime.telemetry import TABLES, now_us
 
 T = 30.0
 
@@ -65,10 +65,11 @@ def test_errors_logs_and_standard_sql(procs: ProcMesh) -> None:
 
 def test_tensor_programs_collectives_and_memory(procs: ProcMesh) -> None:
     x = monarch.distribute_tensor(torch.randn(8, 8), procs, {"dp": Shard(0)})
-    before = procs.sql("SELECT count(*) FROM collectives WHERE kind = 'all_reduce'")[0][0]
+    monarch.synchronize(procs, timeout=T)
+    since = now_us()
     x.sum().item()
-    after = procs.sql("SELECT count(*), min(bytes) FROM collectives WHERE kind = 'all_reduce'")[0]
-    assert after[0] - before == 4 and after[1] > 0  # one all_reduce, seen by each of the 4 ranks
+    rows = procs.sql(f"SELECT count(*), min(bytes) FROM collectives WHERE kind = 'all_reduce' AND start_us >= {since}")
+    assert rows == [(4, 4)]  # one all_reduce of a float32 scalar, seen by each of the 4 ranks
     assert procs.sql("SELECT count(DISTINCT rank) FROM ops WHERE op = 'eager flush'") == [(4,)]
     assert procs.sql("SELECT count(DISTINCT rank), min(rss_bytes) > 0 FROM memory") == [(4, True)]
 
