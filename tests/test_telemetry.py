@@ -116,3 +116,27 @@ def test_debug_prints_the_events_before_a_failure(procs: ProcMesh, capsys: pytes
     kinds = [r[1] for r in rows]
     assert kinds[:2] == ["failure", "message"] and "telemetry_debug.fail error" in rows[1][2]
     assert "telemetry_debug.ping ok" in out
+
+
+def test_events_become_opentelemetry_spans(procs: ProcMesh) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from monarch.runtime.telemetry_db import STORE
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    STORE.export_to(provider)
+    try:
+        echo = procs.spawn("telemetry_otel", Echo)
+        for i in range(5):
+            echo.slice(dp=0, tp=0).ping.call_one(i).get(timeout=T)
+        with pytest.raises(monarch.ActorError):
+            echo.slice(dp=0, tp=0).fail.call_one().get(timeout=T)
+        procs.sql("SELECT 1")
+    finally:
+        STORE.exporter = None
+    done = spans.get_finished_spans()
+    pings = [s for s in done if s.name == "telemetry_otel.ping"]
+    assert len(pings) == 5 and all(s.attributes["rank"] == 0 and s.end_time >= s.start_time for s in pings)
+    assert any(s.name == "failure: remote error" for s in done)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from monarch import config
+from monarch.runtime.otel import Exporter, from_environment
 from monarch.runtime.telemetry import TABLES, Events
 
 
@@ -38,8 +39,15 @@ class Store:
         self._pending: dict[str, list[tuple]] = {t: [] for t in TABLES}
         self._con: Any = None
         self.loaded = 0
+        self.exporter: Any = from_environment()
+
+    def export_to(self, provider: Any) -> None:
+        """Also send every later batch of events to this OpenTelemetry tracer provider."""
+        self.exporter = Exporter(provider)
 
     def add(self, events: Events) -> None:
+        if self.exporter is not None:
+            self.exporter.export(events)
         with self._lock:
             for table, rows in events.rows.items():
                 if table in self._pending:
