@@ -34,6 +34,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_BUCKET_BYTES", str(4 << 20), "compiled steps: all_reduces start early and share buckets up to "
          "this size (0: run them where they are, blocking)"),
     Flag("MONARCH_TELEMETRY", "1", "0 turns off recording of telemetry events (messages, programs, failures, ...)"),
+    Flag("MONARCH_PROFILE", "0", "1 records the time of every tensor instruction on the workers (ops table)"),
     Flag("MONARCH_TELEMETRY_DB", "", "a file for the telemetry database (default: in memory)"),
     Flag("MONARCH_ADMIN", "1", "0: the controller does not answer `monarch query` / `monarch top`"),
     Flag("MONARCH_FLUSH_OPS", "20000", "recorded ops after which the pending graph is shipped without a sync"),
@@ -94,6 +95,10 @@ def bucket_bytes() -> int:
 
 def telemetry() -> bool:
     return bool(_get("MONARCH_TELEMETRY", _bool))
+
+
+def profile() -> bool:
+    return bool(_get("MONARCH_PROFILE", _bool))
 
 
 def telemetry_db() -> str:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from monarch import config
 from monarch.errors import RemoteError
 from monarch.runtime.kernels import KERNELS
 from monarch.runtime.telemetry import RECORDER, now_us
@@ -45,12 +46,19 @@ class Engine:
         self.store: dict[int, Any] = {}
         self.errors: list[RemoteError] = []
         self.pending: dict[tuple[int, ...], tuple[Start, Callable[[], torch.Tensor]]] = {}
+        self.profile = config.profile()
 
     def run(self, instrs: tuple[Instr, ...], coords: tuple[int, ...], label: str) -> None:
         """Run one rank program; `coords` is this rank's point in the mesh view the program is for."""
         self.coords, self.label = coords, label
-        for ins in instrs:
+        if not self.profile:
+            for ins in instrs:
+                HANDLERS[type(ins)](self, ins)
+            return
+        for ins in instrs:  # MONARCH_PROFILE=1: one ops row per instruction
+            start = now_us()
             HANDLERS[type(ins)](self, ins)
+            RECORDER.add("ops", (self.rank, -1, getattr(ins, "op", type(ins).__name__), 1, start, now_us()))
 
     def bind(self, inputs: tuple[tuple[int, int], ...], feeds: tuple[tuple[int, Any], ...]) -> dict[int, Any]:
         """Before an installed program runs: it gets a store of its own, holding this call's buffers
@@ -100,7 +108,8 @@ class Engine:
         return obj
 
     def _fail(self, outs: tuple[int, ...], what: str, e: Exception) -> None:
-        err = RemoteError(f"rank {self.rank} ({self.label}): {what} failed: {type(e).__name__}: {e}",
+        err = RemoteError(f"rank {self.rank} ({self.label}): {what} failed: {type(e).__name__}: {e} "
+                          "(monarch.debug() lists what this rank did before)",
                           rank=self.rank, coords=self.label, what=what, remote_traceback=traceback.format_exc(),
                           exc_type=type(e).__name__)
         self.errors.append(err)

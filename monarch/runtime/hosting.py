@@ -49,9 +49,10 @@ class HostedActor:
     def _error(self, e: BaseException, what: str) -> ActorError:
         tb = "".join(traceback.format_exception(e))
         where = self.point.label() or "singleton"
-        return ActorError(f"{type(e).__name__}: {e}\n  raised by {self.name}.{what} on rank {self.rank} ({where})"
-                          f"\n\nRemote traceback:\n{tb}", rank=self.rank, coords=where, what=f"{self.name}.{what}",
-                          remote_traceback=tb, exc_type=type(e).__name__)
+        return ActorError(f"{type(e).__name__}: {e}\n  raised by {self.name}.{what} on rank {self.rank} ({where}); "
+                          f"the failures table and monarch.debug() show it in context\n\nRemote traceback:\n{tb}",
+                          rank=self.rank, coords=where, what=f"{self.name}.{what}", remote_traceback=tb,
+                          exc_type=type(e).__name__)
 
     def run(self, endpoint: str, args: bytes) -> tuple[bool, bytes]:
         """Run one endpoint call; the pickled result or pickled ActorError."""
