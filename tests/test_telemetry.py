@@ -140,3 +140,11 @@ def test_events_become_opentelemetry_spans(procs: ProcMesh) -> None:
     pings = [s for s in done if s.name == "telemetry_otel.ping"]
     assert len(pings) == 5 and all(s.attributes["rank"] == 0 and s.end_time >= s.start_time for s in pings)
     assert any(s.name == "failure: remote error" for s in done)
+
+
+def test_profiling_times_every_instruction() -> None:
+    with this_host().spawn_procs(per_host={"x": 2}, name="telemetry_profiled", env={"MONARCH_PROFILE": "1"}) as p:
+        x = monarch.distribute_tensor(torch.ones(4, 4), p, {"x": Shard(0)})
+        assert (x * 2 + 1).sum().item() == 48
+        rows = p.sql("SELECT DISTINCT rank, op FROM ops WHERE program = -1 AND op LIKE 'aten::%'")
+    assert {(r, op) for r in (0, 1) for op in ("aten::mul.Tensor", "aten::add.Tensor")} <= set(rows)
