@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -133,7 +134,10 @@ def test_events_become_opentelemetry_spans(procs: ProcMesh) -> None:
             echo.slice(dp=0, tp=0).ping.call_one(i).get(timeout=T)
         with pytest.raises(monarch.ActorError):
             echo.slice(dp=0, tp=0).fail.call_one().get(timeout=T)
-        procs.sql("SELECT 1")
+        deadline = time.monotonic() + 20  # the controller fetches events every few seconds while exporting
+        while time.monotonic() < deadline and not any(s.name == "telemetry_otel.fail" for s in
+                                                      spans.get_finished_spans()):
+            time.sleep(0.2)
     finally:
         STORE.exporter = None
     done = spans.get_finished_spans()

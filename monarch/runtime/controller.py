@@ -18,13 +18,14 @@ import time
 from collections import deque
 from contextlib import suppress
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from monarch import config
 from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
 from monarch.runtime import codec, launch
-from monarch.runtime.commands import (CONTROLLER, Call, Forward, Hello, MeshFailure, ProcExit, Reply, Stop,
-                                      Supervise, describe_status)
+from monarch.runtime.commands import (CONTROLLER, Call, Forward, Hello, MeshFailure, ProcExit, Reply,
+                                      ShipTelemetry, Stop, Supervise, describe_status)
 from monarch.runtime.futures import CallState
 from monarch.runtime.poller import Poller
 from monarch.runtime.shape import Shape
@@ -33,6 +34,7 @@ from monarch.runtime.telemetry_db import STORE
 
 log = logging.getLogger("monarch.controller")
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its header
+EXPORT_EVERY_S = 5.0  # how often events are fetched from the workers while an OpenTelemetry export is on
 
 
 class Conn:
@@ -144,6 +146,7 @@ class Controller:
         self.meshes: dict[int, Mesh] = {}
         self._poller = Poller(self._expire)
         self._listeners: dict[str, str] = {}  # bind host -> "host:port"
+        self._next_export = 0.0
         self.address = self.listen(config.host())
         if config.debug():
             logging.basicConfig()
@@ -283,7 +286,21 @@ class Controller:
                     self._fail(mesh, rank, mesh.pids[rank], "lost its control connection (exit status unknown)")
                 else:
                     nxt = min(nxt, deadline - now)
+        if STORE.exporter is not None and now >= self._next_export:
+            self._export_telemetry()
+            self._next_export = now + EXPORT_EVERY_S
         return nxt
+
+    def _export_telemetry(self) -> None:
+        """With an OpenTelemetry exporter on, fetch every mesh's events now and then (without waiting)."""
+        STORE.add(RECORDER.take())
+        for mesh in list(self.meshes.values()):
+            if not mesh.live:
+                continue
+            state, call_id = CallState(mesh.shape, "telemetry"), self.next_call_id()
+            state.on_done(partial(_store_events, state))
+            mesh.pending[(CONTROLLER, call_id)] = state
+            self.fan_out(mesh, mesh.shape, codec.encode_frame([ShipTelemetry(call_id)]))
 
     def _accept(self, listener: socket.socket) -> None:
         try:
@@ -416,6 +433,13 @@ class Controller:
         for other in list(self.meshes.values()):
             if other.live:
                 self.fan_out(other, other.shape, frame)
+
+
+def _store_events(state: CallState) -> None:
+    """The batches a telemetry fetch brought (a rank that failed meanwhile brings none)."""
+    for i, raw in enumerate(state.raw):
+        if raw is not None and raw[0]:
+            STORE.add(state.value(i))
 
 
 class _ConnReader:
