@@ -26,7 +26,6 @@ class Decision:
     outs: tuple[Spec, ...]
     strategies: tuple[Strategy, ...]  # one per mesh dim
     emit: Emitter | None
-    fallback: bool = False
 
 
 def decide(call: OpCall) -> Decision:
@@ -99,4 +98,4 @@ def _fallback(call: OpCall) -> Decision:
     ndim = mesh.ndim if mesh else 0
     ins = tuple(spec.with_placements(tuple(s.inputs[i] for _ in range(ndim))) for i, spec in enumerate(call.ins))
     outs = tuple(spec.with_placements(tuple(s.outputs[i] for _ in range(ndim))) for i, spec in enumerate(call.outs))
-    return Decision(ins, outs, (s,) * ndim, None, fallback=True)
+    return Decision(ins, outs, (s,) * ndim, None)

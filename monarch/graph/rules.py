@@ -60,9 +60,6 @@ class Emit:
     def local_out_shape(self, i: int = 0) -> tuple[int, ...]:
         return self.outs[i].local_shape(self.coords)
 
-    def local_in_shape(self, i: int) -> tuple[int, ...]:
-        return self.ins[i].local_shape(self.coords)
-
     def tmp(self) -> Buf:
         return Buf(self.fresh())
 
