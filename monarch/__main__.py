@@ -63,13 +63,15 @@ def mesh_tree(pid: int | None) -> Tree:
 def activity(pid: int | None) -> Table:
     cols, rows = run(f"""
         WITH recent AS (SELECT * FROM messages WHERE end_us > (SELECT max(end_us) FROM messages) - {WINDOW_US}),
-             calls AS (SELECT rank, count(*) * 1e6 / {WINDOW_US} AS msgs_per_s,
+             calls AS (SELECT mesh, rank, count(*) * 1e6 / {WINDOW_US} AS msgs_per_s,
                               round(100.0 * sum(end_us - start_us) / {WINDOW_US}, 1) AS busy_pct
-                       FROM recent GROUP BY rank),
-             mem AS (SELECT rank, arg_max(rss_bytes, time_us) // 1048576 AS rss_mb,
-                            arg_max(tensor_bytes, time_us) // 1048576 AS tensor_mb FROM memory GROUP BY rank)
-        SELECT coalesce(calls.rank, mem.rank) AS rank, msgs_per_s, busy_pct, rss_mb, tensor_mb
-        FROM calls FULL OUTER JOIN mem ON calls.rank = mem.rank ORDER BY rank""", pid)
+                       FROM recent GROUP BY mesh, rank),
+             mem AS (SELECT mesh, rank, arg_max(rss_bytes, time_us) // 1048576 AS rss_mb,
+                            arg_max(tensor_bytes, time_us) // 1048576 AS tensor_mb FROM memory GROUP BY mesh, rank)
+        SELECT coalesce(calls.mesh, mem.mesh) AS mesh, coalesce(calls.rank, mem.rank) AS rank, msgs_per_s,
+               busy_pct, rss_mb, tensor_mb
+        FROM calls FULL OUTER JOIN mem ON calls.mesh = mem.mesh AND calls.rank = mem.rank ORDER BY mesh, rank""",
+                     pid)
     return table(cols, rows, "activity per rank (last 5 s of calls; latest memory sample)")
 
 

@@ -152,3 +152,10 @@ def test_profiling_times_every_instruction() -> None:
         assert (x * 2 + 1).sum().item() == 48
         rows = p.sql("SELECT DISTINCT rank, op FROM ops WHERE program = -1 AND op LIKE 'aten::%'")
     assert {(r, op) for r in (0, 1) for op in ("aten::mul.Tensor", "aten::add.Tensor")} <= set(rows)
+
+
+def test_worker_rows_name_their_mesh(procs: ProcMesh) -> None:
+    echo = procs.spawn("telemetry_mesh", Echo)
+    echo.ping.call(1).get(timeout=T)
+    assert procs.sql("SELECT DISTINCT mesh FROM messages WHERE actor = 'telemetry_mesh'") == [("procs",)]
+    assert ("procs",) in procs.sql("SELECT DISTINCT mesh FROM memory")

@@ -293,12 +293,12 @@ class Controller:
 
     def _export_telemetry(self) -> None:
         """With an OpenTelemetry exporter on, fetch every mesh's events now and then (without waiting)."""
-        STORE.add(RECORDER.take())
+        STORE.add(RECORDER.take(), "local")
         for mesh in list(self.meshes.values()):
             if not mesh.live:
                 continue
             state, call_id = CallState(mesh.shape, "telemetry"), self.next_call_id()
-            state.on_done(partial(_store_events, state))
+            state.on_done(partial(_store_events, state, mesh.name))
             mesh.pending[(CONTROLLER, call_id)] = state
             self.fan_out(mesh, mesh.shape, codec.encode_frame([ShipTelemetry(call_id)]))
 
@@ -375,7 +375,7 @@ class Controller:
         elif kind is Forward:
             self._forward(conn, msg)
         elif kind is Events:
-            STORE.add(msg)
+            STORE.add(msg, mesh.name)
         elif kind is Hello:
             mesh.pids[conn.header.rank] = msg.pid
             RECORDER.add("procs", (conn.header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
@@ -435,11 +435,11 @@ class Controller:
                 self.fan_out(other, other.shape, frame)
 
 
-def _store_events(state: CallState) -> None:
+def _store_events(state: CallState, mesh: str) -> None:
     """The batches a telemetry fetch brought (a rank that failed meanwhile brings none)."""
     for i, raw in enumerate(state.raw):
         if raw is not None and raw[0]:
-            STORE.add(state.value(i))
+            STORE.add(state.value(i), mesh)
 
 
 class _ConnReader:

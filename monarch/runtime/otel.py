@@ -10,7 +10,7 @@ from typing import Any
 
 from monarch.runtime.telemetry import Events
 
-SPANS = {  # table -> (name of the span, index of start, index of end, attribute names by index)
+SPANS = {  # table -> (name of the span, index of start, index of end, attribute names by index), as recorded
     "messages": (lambda r: f"{r[1]}.{r[2]}", 5, 6, {0: "rank", 3: "bytes", 7: "status"}),
     "ops": (lambda r: r[2], 4, 5, {0: "rank", 1: "program", 3: "instructions"}),
     "collectives": (lambda r: r[1], 4, 5, {0: "rank", 2: "mdim", 3: "bytes"}),

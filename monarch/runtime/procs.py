@@ -63,14 +63,14 @@ def collect(mesh: Mesh, timeout: float) -> None:
     mesh.pending[(CONTROLLER, call_id)] = state
     ctl.fan_out(mesh, mesh.shape, codec.encode_frame([ShipTelemetry(call_id)]))
     for events in Future(state, ctl, mesh_result).get(timeout).values():
-        STORE.add(events)
+        STORE.add(events, mesh.name)
 
 
 def sql(query: str, timeout: float = 30.0) -> Rows:
     """Run SQL over the telemetry of this process and of every running mesh (`monarch.sql`)."""
     for mesh in list(controller().meshes.values()):
         collect(mesh, timeout)
-    STORE.add(RECORDER.take())
+    STORE.add(RECORDER.take(), "local")
     return STORE.sql(query)
 
 
@@ -143,7 +143,7 @@ class ProcMesh(MeshView):
         """Run SQL over the telemetry of this process (controller and every mesh), after fetching what
         this mesh's workers recorded. Tables: see monarch/runtime/telemetry.py."""
         collect(self._mesh, timeout)
-        STORE.add(RECORDER.take())
+        STORE.add(RECORDER.take(), "local")
         return STORE.sql(query)
 
     def activate(self) -> Any:

@@ -19,19 +19,21 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
               ("event", "VARCHAR"), ("detail", "VARCHAR"), ("time_us", "BIGINT")),
     "actors": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("actor", "VARCHAR"), ("class", "VARCHAR"),
                ("time_us", "BIGINT")),
-    "messages": (("rank", "INTEGER"), ("actor", "VARCHAR"), ("endpoint", "VARCHAR"), ("bytes", "BIGINT"),
-                 ("enqueue_us", "BIGINT"), ("start_us", "BIGINT"), ("end_us", "BIGINT"), ("status", "VARCHAR")),
-    "ops": (("rank", "INTEGER"), ("program", "BIGINT"), ("op", "VARCHAR"), ("instructions", "INTEGER"),
-            ("start_us", "BIGINT"), ("end_us", "BIGINT")),
-    "collectives": (("rank", "INTEGER"), ("kind", "VARCHAR"), ("mdim", "INTEGER"), ("bytes", "BIGINT"),
-                    ("start_us", "BIGINT"), ("end_us", "BIGINT")),
-    "memory": (("rank", "INTEGER"), ("rss_bytes", "BIGINT"), ("tensor_bytes", "BIGINT"), ("buffers", "INTEGER"),
-               ("time_us", "BIGINT")),
+    "messages": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("actor", "VARCHAR"), ("endpoint", "VARCHAR"),
+                 ("bytes", "BIGINT"), ("enqueue_us", "BIGINT"), ("start_us", "BIGINT"), ("end_us", "BIGINT"),
+                 ("status", "VARCHAR")),
+    "ops": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("program", "BIGINT"), ("op", "VARCHAR"),
+            ("instructions", "INTEGER"), ("start_us", "BIGINT"), ("end_us", "BIGINT")),
+    "collectives": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("kind", "VARCHAR"), ("mdim", "INTEGER"),
+                    ("bytes", "BIGINT"), ("start_us", "BIGINT"), ("end_us", "BIGINT")),
+    "memory": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("rss_bytes", "BIGINT"), ("tensor_bytes", "BIGINT"),
+               ("buffers", "INTEGER"), ("time_us", "BIGINT")),
     "logs": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("stream", "VARCHAR"), ("text", "VARCHAR"),
              ("time_us", "BIGINT")),
     "failures": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("kind", "VARCHAR"), ("what", "VARCHAR"),
                  ("detail", "VARCHAR"), ("time_us", "BIGINT")),
 }
+WORKER_TABLES = ("messages", "ops", "collectives", "memory")  # recorded without their mesh: added on arrival
 BATCH = 4096        # a worker ships its events unasked once it holds this many
 LIMIT = 1_000_000   # events a process keeps before it drops the oldest half of a table
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from monarch import config
 from monarch.runtime.otel import Exporter, from_environment
-from monarch.runtime.telemetry import TABLES, Events
+from monarch.runtime.telemetry import TABLES, WORKER_TABLES, Events
 
 
 class Rows(list):
@@ -45,12 +45,15 @@ class Store:
         """Also send every later batch of events to this OpenTelemetry tracer provider."""
         self.exporter = Exporter(provider)
 
-    def add(self, events: Events) -> None:
+    def add(self, events: Events, mesh: str = "") -> None:
+        """Keep a batch; rows of the worker tables get `mesh` (the mesh of the process that sent them)."""
         if self.exporter is not None:
             self.exporter.export(events)
         with self._lock:
             for table, rows in events.rows.items():
-                if table in self._pending:
+                if table in WORKER_TABLES:
+                    self._pending[table].extend((r[0], mesh, *r[1:]) for r in rows)
+                elif table in self._pending:
                     self._pending[table].extend(rows)
 
     def sql(self, query: str) -> Rows:
