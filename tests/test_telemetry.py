@@ -159,3 +159,11 @@ def test_worker_rows_name_their_mesh(procs: ProcMesh) -> None:
     echo.ping.call(1).get(timeout=T)
     assert procs.sql("SELECT DISTINCT mesh FROM messages WHERE actor = 'telemetry_mesh'") == [("procs",)]
     assert ("procs",) in procs.sql("SELECT DISTINCT mesh FROM memory")
+
+
+def test_rows_convert_to_arrow_and_pandas_when_installed() -> None:
+    rows = monarch.sql("SELECT 1 AS a, 'x' AS b UNION ALL SELECT 2, 'y' ORDER BY a")
+    assert rows == [(1, "x"), (2, "y")] and rows.columns == ["a", "b"]
+    pa = pytest.importorskip("pyarrow")
+    table = rows.arrow()
+    assert isinstance(table, pa.Table) and table.column("b").to_pylist() == ["x", "y"]

@@ -17,7 +17,7 @@ from monarch.runtime.telemetry import TABLES, WORKER_TABLES, Events
 
 
 class Rows(list):
-    """Query results: a list of tuples, with `.columns`, and `.df()` when pandas is installed."""
+    """Query results: a list of tuples, with `.columns`; `.df()` with pandas, `.arrow()` with pyarrow."""
 
     def __init__(self, rows: list[tuple], columns: list[str]) -> None:
         super().__init__(rows)
@@ -29,6 +29,13 @@ class Rows(list):
         except ImportError:
             raise ImportError("Rows.df() needs pandas: pip install pandas") from None
         return pd.DataFrame(list(self), columns=self.columns)
+
+    def arrow(self) -> Any:
+        try:
+            import pyarrow as pa
+        except ImportError:
+            raise ImportError("Rows.arrow() needs pyarrow: pip install pyarrow") from None
+        return pa.table({c: [r[i] for r in self] for i, c in enumerate(self.columns)})
 
 
 class Store:
