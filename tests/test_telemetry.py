@@ -124,10 +124,12 @@ def test_events_become_opentelemetry_spans(procs: ProcMesh) -> None:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from monarch.runtime.telemetry_db import STORE
-    spans = InMemorySpanExporter()
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
-    STORE.export_to(provider)
+    STORE.export_to(provider, MeterProvider(metric_readers=[metrics]))
     try:
         echo = procs.spawn("telemetry_otel", Echo)
         for i in range(5):
@@ -144,6 +146,12 @@ def test_events_become_opentelemetry_spans(procs: ProcMesh) -> None:
     pings = [s for s in done if s.name == "telemetry_otel.ping"]
     assert len(pings) == 5 and all(s.attributes["rank"] == 0 and s.end_time >= s.start_time for s in pings)
     assert any(s.name == "failure: remote error" for s in done)
+    data = metrics.get_metrics_data()
+    found = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    calls = [p for p in found["monarch.messages"].data.data_points
+             if p.attributes["endpoint"] == "telemetry_otel.ping"]
+    assert sum(p.value for p in calls) == 5
+    assert {"monarch.message.duration", "monarch.worker.rss"} <= set(found)
 
 
 def test_profiling_times_every_instruction() -> None:

@@ -1,7 +1,8 @@
 """Optional export of telemetry to OpenTelemetry: spans for messages, programs and collectives, with
-failures as error spans. On when `opentelemetry-sdk` is installed and OTEL_EXPORTER_OTLP_ENDPOINT is
-set (the OTLP/HTTP exporter package must be installed too), or when a tracer provider is passed to
-`export_to`. The default path needs none of it.
+failures as error spans; metrics for call counts and durations, collective bytes and worker memory.
+On when `opentelemetry-sdk` is installed and OTEL_EXPORTER_OTLP_ENDPOINT is set (the OTLP/HTTP
+exporter package must be installed too), or when providers are passed to `export_to`. The default
+path needs none of it.
 """
 from __future__ import annotations
 
@@ -18,12 +19,35 @@ SPANS = {  # table -> (name of the span, index of start, index of end, attribute
 
 
 class Exporter:
-    """Turns event batches into spans of one tracer."""
+    """Turns event batches into spans of one tracer and into metrics of one meter (when given)."""
 
-    def __init__(self, provider: Any) -> None:
+    def __init__(self, provider: Any, meters: Any = None) -> None:
         self.tracer = provider.get_tracer("monarch")
+        self.meter = meters.get_meter("monarch") if meters is not None else None
+        if self.meter is not None:
+            self.calls = self.meter.create_counter("monarch.messages", description="actor calls run")
+            self.took = self.meter.create_histogram("monarch.message.duration", unit="us")
+            self.moved = self.meter.create_counter("monarch.collective.bytes", unit="By")
+            self.rss = self.meter.create_gauge("monarch.worker.rss", unit="By")
+            self.held = self.meter.create_gauge("monarch.worker.tensor_bytes", unit="By")
 
     def export(self, events: Events) -> None:
+        self._spans(events)
+        if self.meter is not None:
+            self._metrics(events)
+
+    def _metrics(self, events: Events) -> None:
+        for r in events.rows.get("messages", ()):
+            where = {"rank": r[0], "endpoint": f"{r[1]}.{r[2]}", "status": r[7]}
+            self.calls.add(1, where)
+            self.took.record(r[6] - r[5], where)
+        for r in events.rows.get("collectives", ()):
+            self.moved.add(r[3], {"rank": r[0], "kind": r[1]})
+        for r in events.rows.get("memory", ()):
+            self.rss.set(r[1], {"rank": r[0]})
+            self.held.set(r[2], {"rank": r[0]})
+
+    def _spans(self, events: Events) -> None:
         from opentelemetry.trace import Status, StatusCode
         for table, (name, start, end, attrs) in SPANS.items():
             for r in events.rows.get(table, ()):
@@ -46,12 +70,17 @@ def from_environment() -> Exporter | None:
     if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         return None
     try:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:
         return None
-    provider = TracerProvider(resource=Resource.create({"service.name": "monarch"}))
+    resource = Resource.create({"service.name": "monarch"})
+    provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    return Exporter(provider)
+    meters = MeterProvider(resource=resource, metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
+    return Exporter(provider, meters)

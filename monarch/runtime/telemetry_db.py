@@ -48,9 +48,9 @@ class Store:
         self.loaded = 0
         self.exporter: Any = from_environment()
 
-    def export_to(self, provider: Any) -> None:
-        """Also send every later batch of events to this OpenTelemetry tracer provider."""
-        self.exporter = Exporter(provider)
+    def export_to(self, provider: Any, meters: Any = None) -> None:
+        """Also send every later batch of events to these OpenTelemetry tracer and meter providers."""
+        self.exporter = Exporter(provider, meters)
 
     def add(self, events: Events, mesh: str = "") -> None:
         """Keep a batch; rows of the worker tables get `mesh` (the mesh of the process that sent them)."""
