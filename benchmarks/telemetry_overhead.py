@@ -1,8 +1,9 @@
 """What telemetry costs: actor calls and compiled training steps with it on and off, and ingest speed.
 
-Run: `.venv/bin/python benchmarks/telemetry_overhead.py [--calls 5000] [--steps 200]`. Both settings run
-in this one process: the controller's recorder is switched, and each setting gets its own mesh whose
-workers start with MONARCH_TELEMETRY=1 or 0. Prints one table with the "off" runs as the baseline.
+Run: `.venv/bin/python benchmarks/telemetry_overhead.py [--calls 1000] [--steps 50] [--blocks 9]`. Both
+settings run on one mesh, in alternating blocks: the recorders of the controller and of every worker
+are switched between blocks, so drift in the machine's speed hits both alike. Prints one table with
+the "off" blocks as the baseline (medians).
 """
 from __future__ import annotations
 
@@ -27,21 +28,43 @@ class Echo(Actor):
         return x
 
 
-def calls_per_s(procs: object, n: int) -> float:
-    one = procs.spawn("echo", Echo).slice(x=0)  # type: ignore[attr-defined]
-    for i in range(200):
-        one.ping.call_one(i).get(timeout=30)
+class Switch(Actor):
+    """Turns the recorder of its worker process on or off."""
+
+    @endpoint
+    def set(self, on: bool) -> None:
+        RECORDER.on = on
+
+
+def set_telemetry(switch: object, on: bool) -> None:
+    RECORDER.on = on
+    switch.set.call(on).get(timeout=30)  # type: ignore[attr-defined]
+
+
+def interleaved(run: Callable[[], float], switch: object, blocks: int) -> tuple[float, float]:
+    """Median of `run()` with telemetry off and on, in alternating blocks on the same mesh."""
+    off, on = [], []
+    for _ in range(blocks):
+        for flag, out in ((False, off), (True, on)):
+            set_telemetry(switch, flag)
+            out.append(run())
+    set_telemetry(switch, True)
+    return statistics.median(off), statistics.median(on)
+
+
+def calls(one: object, n: int) -> float:
     t = time.perf_counter()
     for i in range(n):
-        one.ping.call_one(i).get(timeout=30)
+        one.ping.call_one(i).get(timeout=30)  # type: ignore[attr-defined]
     return n / (time.perf_counter() - t)
 
 
-def step_ms(procs: object, steps: int) -> float:
+def compiled_step(procs: object) -> Callable[[], torch.Tensor]:
     torch.manual_seed(0)
     w1 = torch.nn.Parameter(monarch.distribute_tensor(torch.randn(64, 256), procs))
     w2 = torch.nn.Parameter(monarch.distribute_tensor(torch.randn(256, 64), procs))
     opt = torch.optim.AdamW([w1, w2], lr=1e-3)
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
 
     @monarch.compile
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -50,22 +73,15 @@ def step_ms(procs: object, steps: int) -> float:
         opt.step()
         opt.zero_grad()
         return loss
+    return lambda: step(x, y)
 
-    x, y = torch.randn(64, 64), torch.randn(64, 64)
-    for _ in range(5):
-        step(x, y).item()
+
+def steps_ms(step: Callable[[], torch.Tensor], n: int) -> float:
     t = time.perf_counter()
-    for _ in range(steps):
-        loss = step(x, y)
+    for _ in range(n):
+        loss = step()
     loss.item()
-    return (time.perf_counter() - t) / steps * 1e3
-
-
-def measure(on: bool, calls: int, steps: int) -> tuple[float, float]:
-    RECORDER.on = on
-    env = {"MONARCH_TELEMETRY": "1" if on else "0"}
-    with this_host().spawn_procs(per_host={"x": 2}, env=env) as procs:
-        return calls_per_s(procs, calls), step_ms(procs, steps)
+    return (time.perf_counter() - t) / n * 1e3
 
 
 def ingest_rate(n: int) -> float:
@@ -79,27 +95,30 @@ def ingest_rate(n: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--calls", type=int, default=5000)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--rounds", type=int, default=3, help="alternating off/on rounds; medians are reported")
+    p.add_argument("--calls", type=int, default=1000, help="calls per block")
+    p.add_argument("--steps", type=int, default=50, help="compiled steps per block")
+    p.add_argument("--blocks", type=int, default=9, help="alternating off/on blocks; medians are reported")
     a = p.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"Python {platform.python_version()}, torch {torch.__version__}")
-    results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    for _ in range(a.rounds):
-        for on in (False, True):
-            results[on].append(measure(on, a.calls, a.steps))
-    RECORDER.on = True
-    med: Callable[[bool, int], float] = lambda on, k: statistics.median(r[k] for r in results[on])
+    with this_host().spawn_procs(per_host={"x": 2}) as procs:
+        switch = procs.spawn("switch", Switch)
+        one = procs.spawn("echo", Echo).slice(x=0)
+        calls(one, 500)
+        call_off, call_on = interleaved(lambda: calls(one, a.calls), switch, a.blocks)
+        step = compiled_step(procs)
+        for _ in range(5):
+            step().item()
+        step_off, step_on = interleaved(lambda: steps_ms(step, a.steps), switch, a.blocks)
     rows = [
-        ("call_one throughput, 1 actor", f"{med(False, 0):,.0f} calls/s", f"{med(True, 0):,.0f} calls/s",
-         f"{(1 - med(True, 0) / med(False, 0)) * 100:+.1f}% slower"),
-        ("compiled MLP step, dp=2 (x=2)", f"{med(False, 1):.2f} ms", f"{med(True, 1):.2f} ms",
-         f"{(med(True, 1) / med(False, 1) - 1) * 100:+.1f}% slower"),
+        ("call_one throughput, 1 actor", f"{call_off:,.0f} calls/s", f"{call_on:,.0f} calls/s",
+         f"{(call_off / call_on - 1) * 100:+.1f}%"),
+        ("compiled MLP step, 2 procs", f"{step_off:.3f} ms", f"{step_on:.3f} ms",
+         f"{(step_on / step_off - 1) * 100:+.1f}%"),
     ]
-    print(f"{'what':32}{'telemetry off':>18}{'telemetry on':>18}{'overhead':>16}")
+    print(f"{'what':32}{'telemetry off':>18}{'telemetry on':>18}{'overhead':>12}")
     for what, off, on, overhead in rows:
-        print(f"{what:32}{off:>18}{on:>18}{overhead:>16}")
+        print(f"{what:32}{off:>18}{on:>18}{overhead:>12}")
     print(f"ingest into DuckDB: {ingest_rate(1_000_000):,.0f} events/s (1,000,000 message rows)")
 
 
