@@ -16,6 +16,9 @@ from monarch.runtime.otel import Exporter, from_environment
 from monarch.runtime.telemetry import TABLES, WORKER_TABLES, Events
 
 
+LOAD_AT = 200_000  # pending events that are loaded into the database without waiting for a query
+
+
 class Rows(list):
     """Query results: a list of tuples, with `.columns`; `.df()` with pandas, `.arrow()` with pyarrow."""
 
@@ -42,8 +45,10 @@ class Store:
     """Pending events and the DuckDB connection they are loaded into."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()      # guards the pending lists
+        self._db_lock = threading.Lock()   # one thread at a time uses the DuckDB connection
         self._pending: dict[str, list[tuple]] = {t: [] for t in TABLES}
+        self._waiting = 0
         self._con: Any = None
         self.loaded = 0
         self.exporter: Any = from_environment()
@@ -62,13 +67,19 @@ class Store:
                     self._pending[table].extend((r[0], mesh, *r[1:]) for r in rows)
                 elif table in self._pending:
                     self._pending[table].extend(rows)
+                self._waiting += len(rows)
+            full = self._waiting >= LOAD_AT
+        if full:  # nobody asked for a while: keep the events in DuckDB's columns, not as Python tuples
+            with self._db_lock:
+                self._load(self._connect())
 
     def sql(self, query: str) -> Rows:
         """Run `query` over every event recorded so far."""
-        con = self._connect()
-        self._load(con)
-        cur = con.execute(query)
-        return Rows(cur.fetchall(), [d[0] for d in cur.description or ()])
+        with self._db_lock:
+            con = self._connect()
+            self._load(con)
+            cur = con.execute(query)
+            return Rows(cur.fetchall(), [d[0] for d in cur.description or ()])
 
     def _connect(self) -> Any:
         if self._con is None:
@@ -81,6 +92,7 @@ class Store:
     def _load(self, con: Any) -> None:
         with self._lock:
             pending, self._pending = self._pending, {t: [] for t in TABLES}
+            self._waiting = 0
         for table, rows in pending.items():
             if not rows:
                 continue
