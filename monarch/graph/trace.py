@@ -245,8 +245,8 @@ class Tracer:
         flat, build = _structure(func, result)
         R = (Replicate(),) * self.mesh.ndim
         outs = tuple(spec_of(m, R, self.mesh) for m in flat)
-        call = OpCall(func, _substitute(args, iter([t._spec for t in ins])),
-                      _substitute(kwargs, iter([t._spec for t in ins[_count(args):]])) if kwargs else {},
+        placed = iter([t._spec for t in ins])
+        call = OpCall(func, _substitute(args, placed), _substitute(kwargs, placed) if kwargs else {},
                       tuple(t._spec for t in ins), outs)
         returns = func._schema.returns
         view = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
@@ -338,14 +338,6 @@ def _substitute(obj: Any, values: Any) -> Any:
     if t is dict:
         return {k: _substitute(v, values) for k, v in obj.items()}
     return obj
-
-
-def _count(obj: Any) -> int:
-    if type(obj) is MeshTensor:
-        return 1
-    if isinstance(obj, (list, tuple)):
-        return sum(_count(o) for o in obj)
-    return 0
 
 
 def _structure(func: Any, result: Any) -> tuple[list[torch.Tensor], Callable[[list[Any]], Any]]:

@@ -62,7 +62,6 @@ class ReferenceSession(Session):
     def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: Fetch | None = None,
              sync: bool = False) -> Future[Any] | None:
         self._count(programs)
-        self.last = traced
         run_lockstep(self.engines, programs, self.abstract.sizes, self._labels())
         self.flushes += 1
         if not sync:

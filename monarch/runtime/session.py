@@ -39,7 +39,6 @@ class Session:
         self.abstract = AbstractMesh(tuple(self.view.labels), tuple(self.view.sizes))
         self.tracer = Tracer(self.abstract, self)
         self.flushes = 0
-        self.last: TracedGraph | None = None
         self.collectives: list[str] = []  # kind[dim] of every collective shipped, in order
         self.flush_ops = config.flush_ops()
         self.capturing = False
@@ -94,7 +93,6 @@ class Session:
     def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: Fetch | None = None,
              sync: bool = False) -> Future[Any] | None:
         self._count(programs)
-        self.last = traced
         ctl = controller()
         call_id = ctl.next_call_id() if sync else 0
         msgs = lower(programs, self.view, call_id, fetch.sources() if fetch else None)
