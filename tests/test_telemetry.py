@@ -97,11 +97,13 @@ def test_a_separate_store_loads_batches() -> None:
     from monarch.runtime.telemetry import Events
     from monarch.runtime.telemetry_db import Store
     store = Store()
-    rows = [(i % 4, "a", "ping", 100, i, i + 1, i + 2, "ok") for i in range(20_000)]
-    store.add(Events({"messages": rows[:5000]}))
-    store.add(Events({"messages": rows[5000:]}))
+    flat = [v for i in range(20_000) for v in (i % 4, "a", "ping", 100, i, i + 1, i + 2, "ok")]
+    store.add(Events({"messages": flat[:5000 * 8]}), "one")
+    store.add(Events({"messages": flat[5000 * 8:]}), "two")
     assert store.sql("SELECT count(*), count(DISTINCT rank), sum(end_us - start_us) FROM messages") == [
         (20_000, 4, 20_000)]
+    by_mesh = store.sql("SELECT mesh, count(*) FROM messages GROUP BY mesh ORDER BY mesh")
+    assert by_mesh == [("one", 5000), ("two", 15_000)]
 
 
 def test_debug_prints_the_events_before_a_failure(procs: ProcMesh, capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,3 +177,21 @@ def test_rows_convert_to_arrow_and_pandas_when_installed() -> None:
     pa = pytest.importorskip("pyarrow")
     table = rows.arrow()
     assert isinstance(table, pa.Table) and table.column("b").to_pylist() == ["x", "y"]
+
+
+def test_recording_creates_no_objects_for_the_garbage_collector() -> None:
+    """Always-on recording must not make the collector run (a full pass over torch's heap takes ~0.1 s)."""
+    import gc
+
+    from monarch.runtime.telemetry import Recorder
+    recorder = Recorder()
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        for i in range(10_000):
+            recorder.add("messages", (0, "echo", "ping", 8, i, i + 1, i + 2, "ok"))
+        grew = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+    assert grew < 10
+    assert list(recorder.take().table("messages"))[-1] == (0, "echo", "ping", 8, 9999, 10_000, 10_001, "ok")

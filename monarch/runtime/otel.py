@@ -37,20 +37,20 @@ class Exporter:
             self._metrics(events)
 
     def _metrics(self, events: Events) -> None:
-        for r in events.rows.get("messages", ()):
+        for r in events.table("messages"):
             where = {"rank": r[0], "endpoint": f"{r[1]}.{r[2]}", "status": r[7]}
             self.calls.add(1, where)
             self.took.record(r[6] - r[5], where)
-        for r in events.rows.get("collectives", ()):
+        for r in events.table("collectives"):
             self.moved.add(r[3], {"rank": r[0], "kind": r[1]})
-        for r in events.rows.get("memory", ()):
+        for r in events.table("memory"):
             self.rss.set(r[1], {"rank": r[0]})
             self.held.set(r[2], {"rank": r[0]})
 
     def _spans(self, events: Events) -> None:
         from opentelemetry.trace import Status, StatusCode
         for table, (name, start, end, attrs) in SPANS.items():
-            for r in events.rows.get(table, ()):
+            for r in events.table(table):
                 if r[end] <= 0:
                     continue
                 span = self.tracer.start_span(name(r), start_time=r[start] * 1000,
@@ -58,7 +58,7 @@ class Exporter:
                 if table == "messages" and r[7] != "ok":
                     span.set_status(Status(StatusCode.ERROR))
                 span.end(end_time=r[end] * 1000)
-        for r in events.rows.get("failures", ()):
+        for r in events.table("failures"):
             span = self.tracer.start_span(f"failure: {r[2]}", start_time=r[5] * 1000,
                                           attributes={"rank": r[0], "mesh": r[1], "what": r[3], "detail": r[4]})
             span.set_status(Status(StatusCode.ERROR, r[4]))

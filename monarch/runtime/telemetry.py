@@ -1,8 +1,9 @@
 """Telemetry events: the tables every process records into, cheaply and always on.
 
-A process appends plain tuples to per-table lists (one `append` per event, timestamps in µs since the
-epoch); workers ship what they have in batches over the control plane (when asked, and on their own
-once a batch is large), and the controller loads them into its embedded database (telemetry_db.py).
+A process extends one flat list per table with each event's values (one `extend` per event,
+timestamps in µs since the epoch); workers ship what they have in batches over the control plane
+(when asked, and on their own once a batch is large), and the controller loads them into its
+embedded database (telemetry_db.py).
 The column lists below are the documented schema of each table.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 from monarch import config
@@ -40,24 +42,36 @@ LIMIT = 1_000_000   # events a process keeps before it drops the oldest half of 
 
 @dataclass(frozen=True)
 class Events:
-    """A batch of events of one process: rows by table name."""
-    rows: dict[str, list[tuple]]
+    """A batch of events of one process: by table name, the rows laid end to end in one flat list
+    (`width(table)` values per row), so recording and shipping create no Python object per event."""
+    rows: dict[str, list]
+
+    def table(self, name: str) -> Iterator[tuple]:
+        """The rows of one table, as tuples in recorded order."""
+        flat = self.rows.get(name, [])
+        return zip(*[iter(flat)] * width(name), strict=True)
+
+
+def width(table: str) -> int:
+    """Values per recorded row: workers leave out the mesh, which the controller adds on arrival."""
+    return len(TABLES[table]) - (table in WORKER_TABLES)
 
 
 class Recorder:
-    """This process's pending events."""
+    """This process's pending events. `add` extends a flat list of atoms (ints and strings), which
+    the garbage collector does not track, so always-on recording never triggers collections."""
 
     def __init__(self) -> None:
         self.on = config.telemetry()
-        self.rows: dict[str, list[tuple]] = {t: [] for t in TABLES}
+        self.rows: dict[str, list] = {t: [] for t in TABLES}
         self.count = 0
 
     def add(self, table: str, row: tuple) -> None:
-        rows = self.rows[table]
-        rows.append(row)
+        flat = self.rows[table]
+        flat.extend(row)
         self.count += 1
-        if len(rows) > LIMIT:
-            del rows[:LIMIT // 2]
+        if len(flat) > LIMIT * len(row):
+            del flat[:LIMIT // 2 * len(row)]
 
     def take(self) -> Events:
         rows, self.rows = self.rows, {t: [] for t in TABLES}

@@ -1,8 +1,8 @@
 """The controller's telemetry database: an embedded DuckDB (in memory, or MONARCH_TELEMETRY_DB).
 
-Events from the controller itself and batches from the workers wait in per-table lists and are loaded
-into DuckDB, column by column through numpy, right before a query runs (a few hundred thousand rows
-per second); `sql()` returns `Rows`, a list of tuples that knows its column names.
+Events from the controller itself and batches from the workers wait as they came (flat lists, see
+telemetry.Events) and are loaded into DuckDB, column by column through numpy, right before a query
+runs or once many are waiting; `sql()` returns `Rows`, a list of tuples that knows its column names.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from monarch import config
 from monarch.runtime.otel import Exporter, from_environment
-from monarch.runtime.telemetry import TABLES, WORKER_TABLES, Events
+from monarch.runtime.telemetry import TABLES, WORKER_TABLES, Events, width
 
 
 LOAD_AT = 200_000  # pending events that are loaded into the database without waiting for a query
@@ -47,7 +47,7 @@ class Store:
     def __init__(self) -> None:
         self._lock = threading.Lock()      # guards the pending lists
         self._db_lock = threading.Lock()   # one thread at a time uses the DuckDB connection
-        self._pending: dict[str, list[tuple]] = {t: [] for t in TABLES}
+        self._pending: dict[str, list[tuple[str, list]]] = {t: [] for t in TABLES}  # (mesh, flat rows)
         self._waiting = 0
         self._con: Any = None
         self.loaded = 0
@@ -62,12 +62,10 @@ class Store:
         if self.exporter is not None:
             self.exporter.export(events)
         with self._lock:
-            for table, rows in events.rows.items():
-                if table in WORKER_TABLES:
-                    self._pending[table].extend((r[0], mesh, *r[1:]) for r in rows)
-                elif table in self._pending:
-                    self._pending[table].extend(rows)
-                self._waiting += len(rows)
+            for table, flat in events.rows.items():
+                if table in self._pending:
+                    self._pending[table].append((mesh, flat))
+                    self._waiting += len(flat) // width(table)
             full = self._waiting >= LOAD_AT
         if full:  # nobody asked for a while: keep the events in DuckDB's columns, not as Python tuples
             with self._db_lock:
@@ -93,16 +91,26 @@ class Store:
         with self._lock:
             pending, self._pending = self._pending, {t: [] for t in TABLES}
             self._waiting = 0
-        for table, rows in pending.items():
-            if not rows:
+        for table, batches in pending.items():
+            if not batches:
                 continue
             cols = TABLES[table]
-            data = {name: np.array(values, dtype=object if kind == "VARCHAR" else np.int64)
-                    for (name, kind), values in zip(cols, zip(*rows), strict=True)}
+            data = {name: np.concatenate([np.array(part, dtype=object if kind == "VARCHAR" else np.int64)
+                                          for part in column])
+                    for (name, kind), column in zip(cols, _columns(table, batches), strict=True)}
             con.register("_batch", data)
             con.execute(f"INSERT INTO {table} SELECT {', '.join(c for c, _ in cols)} FROM _batch")
             con.unregister("_batch")
-            self.loaded += len(rows)
+            self.loaded += len(data["rank"])
+
+
+def _columns(table: str, batches: list[tuple[str, list]]) -> list[list[list]]:
+    """Per column of `table`, its values in each batch (the mesh column filled in for worker tables)."""
+    n = width(table)
+    columns = [[flat[i::n] for _, flat in batches] for i in range(n)]
+    if table in WORKER_TABLES:
+        columns.insert(1, [[mesh] * (len(flat) // n) for mesh, flat in batches])
+    return columns
 
 
 STORE = Store()

@@ -50,6 +50,7 @@ class Worker:
             ShipTelemetry: self._ship_telemetry,
         }
         self._arrived: dict[int, int] = {}  # id(Call) -> when it arrived (µs), for the messages table
+        self._ran: list[tuple[Call, int, int, bool]] = []  # calls run since the last flush: start, end, ok
         self._tensors: Any = None  # the tensor engine, created (with torch) on the first RunProgram
 
     def serve(self) -> None:
@@ -95,6 +96,7 @@ class Worker:
         if not data:
             self._lost(TransportError(f"rank {self.rank}: the controller closed the control connection"))
             return
+        arrived = now_us() if RECORDER.on else 0
         for body in self._reader.feed(data):
             try:
                 msgs = codec.decode_frame(body)
@@ -105,8 +107,8 @@ class Worker:
                 if type(msg) is Reply:
                     self._reply(msg)
                 elif type(msg) in self._handlers:
-                    if type(msg) is Call and RECORDER.on:
-                        self._arrived[id(msg)] = now_us()
+                    if type(msg) is Call and arrived:
+                        self._arrived[id(msg)] = arrived
                     self._inbox.append(msg)
                 else:
                     print(f"monarch worker: dropped unknown message {type(msg).__name__}", file=sys.stderr)
@@ -118,11 +120,20 @@ class Worker:
         self._pending.clear()
 
     def flush(self) -> None:
+        """Send what the handlers queued; then record the calls that ran (off the replies' path)."""
         if RECORDER.count >= BATCH:
             self._outbox.append(self._events())
         if self._outbox:
             frame, self._outbox = codec.encode_frame(self._outbox), []
             self.sock.sendall(frame)
+        if self._ran:
+            self._record_calls()
+
+    def _record_calls(self) -> None:
+        for msg, start, end, ok in self._ran:
+            RECORDER.add("messages", (self.rank, msg.actor, msg.endpoint, len(msg.args),
+                                      self._arrived.pop(id(msg), start), start, end, "ok" if ok else "error"))
+        self._ran.clear()
 
     # -- handlers --------------------------------------------------------------------------------
     def _spawn(self, msg: SpawnActor) -> None:
@@ -140,8 +151,9 @@ class Worker:
             finally:
                 self._busy.discard(msg.actor)
         if RECORDER.on:
-            RECORDER.add("messages", (self.rank, msg.actor, msg.endpoint, len(msg.args),
-                                      self._arrived.pop(id(msg), start), start, now_us(), "ok" if ok else "error"))
+            self._ran.append((msg, start, now_us(), ok))
+        elif self._arrived:  # recording was switched off while this call waited
+            self._arrived.pop(id(msg), None)
         if msg.want_reply:
             self._outbox.append(Reply(msg.call_id, msg.reply_to, self.rank, ok, value))
         elif not ok:
@@ -174,6 +186,7 @@ class Worker:
 
     def _events(self) -> Events:
         """This worker's pending events, with a memory sample."""
+        self._record_calls()
         store = self._tensors.engine.store if self._tensors is not None else {}
         tensors = [v for v in store.values() if hasattr(v, "nbytes")]
         RECORDER.add("memory", (self.rank, rss_bytes(), sum(t.nbytes for t in tensors), len(tensors), now_us()))
