@@ -23,6 +23,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/actors.py
 	$(PY) benchmarks/eager_ops.py
 	$(PY) benchmarks/train_vs_ddp.py
+	$(PY) benchmarks/telemetry_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .hypothesis

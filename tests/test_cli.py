@@ -1,6 +1,8 @@
 """`monarch query` and `monarch top` attached to a real running controller (another process)."""
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
 import socket
@@ -8,10 +10,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from rich.console import Console
+from textual.widgets import Static
 
 from monarch.runtime.admin import TOKEN_BYTES, announce_dir, recv_json, send_json
+from monarch.top import SqlPrompt, Top
 from test_supervision import _run_script
 
 T = 60
@@ -66,6 +72,39 @@ def test_top_renders_the_mesh_headless(controller_pid: int) -> None:
     for rank in range(4):
         assert f"procs rank {rank}" in out.stdout
     assert "actors: cli_echo" in out.stdout and "msgs_per_s" in out.stdout and "latest failures" in out.stdout
+
+
+def rendered(app: Any, selector: str) -> str:
+    """The text a Static of the app shows."""
+    console = Console(width=140, record=True, file=io.StringIO())
+    console.print(app.query_one(selector, Static).content)
+    return console.export_text()
+
+
+async def shown(pilot: Any, selector: str, text: str) -> str:
+    deadline = time.monotonic() + T
+    while text not in (out := rendered(pilot.app, selector)):
+        assert time.monotonic() < deadline, f"{text!r} never appeared in {selector}:\n{out}"
+        await pilot.pause(0.05)
+    return out
+
+
+def test_top_app_shows_the_ranks_and_runs_typed_sql(controller_pid: int) -> None:
+    async def drive() -> None:
+        app = Top(controller_pid, interval=0.2)
+        async with app.run_test(size=(140, 50)) as pilot:
+            views = await shown(pilot, "#views", "actors: cli_echo")
+            assert all(f"procs rank {rank}" in views for rank in range(4)) and "msgs_per_s" in views
+            await pilot.press(*"SELECT count(*) AS calls FROM messages WHERE actor = 'cli_echo'", "enter")
+            assert "1000" in await shown(pilot, "#result", "calls")
+            await pilot.press(*"SELEC oops", "enter")
+            await shown(pilot, "#result", "Parser Error")
+            prompt = app.query_one(SqlPrompt)
+            await pilot.press("up", "up")
+            assert prompt.value == "SELECT count(*) AS calls FROM messages WHERE actor = 'cli_echo'"
+            await pilot.press("down", "down")
+            assert prompt.value == ""
+    asyncio.run(drive())
 
 
 def test_admin_endpoint_needs_the_token(controller_pid: int) -> None:
