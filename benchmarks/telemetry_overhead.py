@@ -116,7 +116,7 @@ def steps_ms(step: Callable[[], torch.Tensor], n: int) -> float:
 def ingest_rate(n: int) -> float:
     """Events/s from worker batches (as they arrive, BATCH rows each) to a query that counts them."""
     batches = [Events({"messages": [v for i in range(start, min(start + BATCH, n))
-                                    for v in (i % 4, "echo", "ping", 100, i, i + 1, i + 2, "ok")]})
+                                    for v in (i % 4, "echo", "ping", "controller", 100, i, i + 1, i + 2, "ok")]})
                for start in range(0, n, BATCH)]
     store = Store()
     t = time.perf_counter()

@@ -1,9 +1,13 @@
 """Telemetry: events recorded on every process, shipped in batches, queried with SQL (DuckDB)."""
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +34,14 @@ class Echo(Actor):
     def fail(self) -> None:
         raise ValueError("no")
 
+    @endpoint
+    def relay(self, other: Any) -> int:
+        return int(other.ping.call_one(7).get(timeout=T))
+
+    @endpoint
+    def warn(self) -> None:
+        logging.getLogger("telemetry.test").warning("careful: %d", 3)
+
 
 def test_calls_become_rows_of_messages(procs: ProcMesh) -> None:
     echo = procs.spawn("telemetry_echo", Echo)
@@ -41,6 +53,22 @@ def test_calls_become_rows_of_messages(procs: ProcMesh) -> None:
     assert rows == [(1, "ping", 1000, True, True, "ok")]
     assert rows.columns[:2] == ["rank", "endpoint"]
     assert procs.sql("SELECT count(*) FROM actors WHERE actor = 'telemetry_echo'") == [(4,)]
+
+
+def test_messages_name_their_sender(procs: ProcMesh) -> None:
+    echo = procs.spawn("telemetry_relay", Echo)
+    assert echo.slice(dp=1, tp=0).relay.call_one(echo.slice(dp=0, tp=1)).get(timeout=T) == 7
+    assert procs.sql("SELECT rank, endpoint, sender FROM messages WHERE actor = 'telemetry_relay' ORDER BY rank") == [
+        (1, "ping", "procs[2]"), (2, "relay", "controller")]
+
+
+def test_logging_records_keep_their_level_and_still_print(procs: ProcMesh) -> None:
+    procs.spawn("telemetry_warn", Echo).slice(dp=0, tp=1).warn.call_one().get(timeout=T)
+    query = "SELECT rank, stream, level, text FROM logs WHERE text LIKE '%careful: 3' ORDER BY stream"
+    deadline = time.monotonic() + T
+    while len(rows := procs.sql(query)) < 2 and time.monotonic() < deadline:  # stderr comes through the monitor
+        time.sleep(0.05)
+    assert rows == [(1, "logging", "WARNING", "telemetry.test: careful: 3"), (1, "stderr", "", "careful: 3")]
 
 
 def test_errors_logs_and_standard_sql(procs: ProcMesh) -> None:
@@ -97,9 +125,9 @@ def test_a_separate_store_loads_batches() -> None:
     from monarch.runtime.telemetry import Events
     from monarch.runtime.telemetry_db import Store
     store = Store()
-    flat = [v for i in range(20_000) for v in (i % 4, "a", "ping", 100, i, i + 1, i + 2, "ok")]
-    store.add(Events({"messages": flat[:5000 * 8]}), "one")
-    store.add(Events({"messages": flat[5000 * 8:]}), "two")
+    flat = [v for i in range(20_000) for v in (i % 4, "a", "ping", "controller", 100, i, i + 1, i + 2, "ok")]
+    store.add(Events({"messages": flat[:5000 * 9]}), "one")
+    store.add(Events({"messages": flat[5000 * 9:]}), "two")
     assert store.sql("SELECT count(*), count(DISTINCT rank), sum(end_us - start_us) FROM messages") == [
         (20_000, 4, 20_000)]
     by_mesh = store.sql("SELECT mesh, count(*) FROM messages GROUP BY mesh ORDER BY mesh")
@@ -169,6 +197,8 @@ def test_worker_rows_name_their_mesh(procs: ProcMesh) -> None:
     echo.ping.call(1).get(timeout=T)
     assert procs.sql("SELECT DISTINCT mesh FROM messages WHERE actor = 'telemetry_mesh'") == [("procs",)]
     assert ("procs",) in procs.sql("SELECT DISTINCT mesh FROM memory")
+    if not torch.cuda.is_available():  # the workers never touched CUDA
+        assert procs.sql("SELECT max(cuda_allocated_bytes), max(cuda_reserved_bytes) FROM memory") == [(0, 0)]
 
 
 def test_rows_convert_to_arrow_and_pandas_when_installed() -> None:
@@ -189,9 +219,17 @@ def test_recording_creates_no_objects_for_the_garbage_collector() -> None:
     try:
         before = gc.get_count()[0]
         for i in range(10_000):
-            recorder.add("messages", (0, "echo", "ping", 8, i, i + 1, i + 2, "ok"))
+            recorder.add("messages", (0, "echo", "ping", "controller", 8, i, i + 1, i + 2, "ok"))
         grew = gc.get_count()[0] - before
     finally:
         gc.enable()
     assert grew < 10
-    assert list(recorder.take().table("messages"))[-1] == (0, "echo", "ping", 8, 9999, 10_000, 10_001, "ok")
+    last = list(recorder.take().table("messages"))[-1]
+    assert last == (0, "echo", "ping", "controller", 8, 9999, 10_000, 10_001, "ok")
+
+
+def test_the_readme_documents_every_column() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    documented = {m[1]: re.sub(r"\s*\([^)]*\)", "", m[2]).split(", ")
+                  for m in re.finditer(r"^\| `(\w+)` \| (.+) \|$", readme, re.M)}
+    assert documented == {table: [c for c, _ in cols] for table, cols in TABLES.items()}

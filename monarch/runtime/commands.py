@@ -41,6 +41,7 @@ class Call:
     endpoint: str
     args: bytes
     want_reply: bool = True
+    sender: str = ""  # "mesh[rank]" of the calling actor's process; "" for the controller
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from monarch.runtime.commands import (CONTROLLER, Call, Forward, Hello, MeshFail
 from monarch.runtime.futures import CallState
 from monarch.runtime.poller import Poller
 from monarch.runtime.shape import Shape
-from monarch.runtime.telemetry import RECORDER, Events, now_us, record_logs
+from monarch.runtime.telemetry import RECORDER, Events, now_us, output_lines
 from monarch.runtime.telemetry_db import STORE
 
 log = logging.getLogger("monarch.controller")
@@ -330,7 +330,7 @@ class Controller:
         if stream is sys.stderr:
             mesh.stderr_tail.extend(text.splitlines())
         if RECORDER.on:
-            record_logs(mesh.name, mesh.shape, "stderr" if stream is sys.stderr else "stdout", text)
+            STORE.add(output_lines(mesh.shape, "stderr" if stream is sys.stderr else "stdout", text), mesh.name)
         stream.write(text)
         stream.flush()
 
@@ -388,7 +388,8 @@ class Controller:
             log.warning("monarch controller: dropped unexpected %s from rank %d", kind.__name__, conn.header.rank)
 
     def _forward(self, source: Conn, msg: Forward) -> None:
-        call = replace(msg.call, reply_to=source.addr)
+        assert source.mesh is not None and source.header is not None
+        call = replace(msg.call, reply_to=source.addr, sender=f"{source.mesh.name}[{source.header.rank}]")
         target = self.meshes.get(msg.mesh_id)
         sink = ForwardSink(source, call, msg.shape)
         if target is None or not target.live:

@@ -7,14 +7,16 @@ path needs none of it.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
-from monarch.runtime.telemetry import Events
+from monarch.runtime.telemetry import Events, recorded
 
-SPANS = {  # table -> (name of the span, index of start, index of end, attribute names by index), as recorded
-    "messages": (lambda r: f"{r[1]}.{r[2]}", 5, 6, {0: "rank", 3: "bytes", 7: "status"}),
-    "ops": (lambda r: r[2], 4, 5, {0: "rank", 1: "program", 3: "instructions"}),
-    "collectives": (lambda r: r[1], 4, 5, {0: "rank", 2: "mdim", 3: "bytes"}),
+SPANS = {  # table -> (the span's name, its start and end columns, the columns that become attributes)
+    "messages": (lambda r: f"{r['actor']}.{r['endpoint']}", "start_us", "end_us",
+                 ("rank", "sender", "bytes", "status")),
+    "ops": (lambda r: r["op"], "start_us", "end_us", ("rank", "program", "instructions")),
+    "collectives": (lambda r: r["kind"], "start_us", "end_us", ("rank", "mdim", "bytes")),
 }
 
 
@@ -37,32 +39,38 @@ class Exporter:
             self._metrics(events)
 
     def _metrics(self, events: Events) -> None:
-        for r in events.table("messages"):
-            where = {"rank": r[0], "endpoint": f"{r[1]}.{r[2]}", "status": r[7]}
+        for r in named(events, "messages"):
+            where = {"rank": r["rank"], "endpoint": f"{r['actor']}.{r['endpoint']}", "status": r["status"]}
             self.calls.add(1, where)
-            self.took.record(r[6] - r[5], where)
-        for r in events.table("collectives"):
-            self.moved.add(r[3], {"rank": r[0], "kind": r[1]})
-        for r in events.table("memory"):
-            self.rss.set(r[1], {"rank": r[0]})
-            self.held.set(r[2], {"rank": r[0]})
+            self.took.record(r["end_us"] - r["start_us"], where)
+        for r in named(events, "collectives"):
+            self.moved.add(r["bytes"], {"rank": r["rank"], "kind": r["kind"]})
+        for r in named(events, "memory"):
+            self.rss.set(r["rss_bytes"], {"rank": r["rank"]})
+            self.held.set(r["tensor_bytes"], {"rank": r["rank"]})
 
     def _spans(self, events: Events) -> None:
         from opentelemetry.trace import Status, StatusCode
         for table, (name, start, end, attrs) in SPANS.items():
-            for r in events.table(table):
+            for r in named(events, table):
                 if r[end] <= 0:
                     continue
                 span = self.tracer.start_span(name(r), start_time=r[start] * 1000,
-                                              attributes={k: r[i] for i, k in attrs.items()})
-                if table == "messages" and r[7] != "ok":
+                                              attributes={k: r[k] for k in attrs})
+                if table == "messages" and r["status"] != "ok":
                     span.set_status(Status(StatusCode.ERROR))
                 span.end(end_time=r[end] * 1000)
-        for r in events.table("failures"):
-            span = self.tracer.start_span(f"failure: {r[2]}", start_time=r[5] * 1000,
-                                          attributes={"rank": r[0], "mesh": r[1], "what": r[3], "detail": r[4]})
-            span.set_status(Status(StatusCode.ERROR, r[4]))
-            span.end(end_time=r[5] * 1000)
+        for r in named(events, "failures"):
+            span = self.tracer.start_span(f"failure: {r['kind']}", start_time=r["time_us"] * 1000,
+                                          attributes={k: r[k] for k in ("rank", "mesh", "what", "detail")})
+            span.set_status(Status(StatusCode.ERROR, r["detail"]))
+            span.end(end_time=r["time_us"] * 1000)
+
+
+def named(events: Events, table: str) -> Iterator[dict[str, Any]]:
+    """The rows of one table of a batch, as dicts by column name (export is off the hot path)."""
+    columns = recorded(table)
+    return (dict(zip(columns, row, strict=True)) for row in events.table(table))
 
 
 def from_environment() -> Exporter | None:

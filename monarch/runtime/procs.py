@@ -87,7 +87,7 @@ def debug(n: int = 20, rank: int | None = None, timeout: float = 30.0) -> Rows:
             UNION ALL SELECT end_us, 'program', op || ' ' || program || ' (' || instructions || ' instructions)', rank
               FROM ops
             UNION ALL SELECT start_us, 'collective', kind || ' over mesh dim ' || mdim, rank FROM collectives
-            UNION ALL SELECT time_us, 'log', stream || ': ' || text, rank FROM logs
+            UNION ALL SELECT time_us, 'log', stream || ' ' || level || ': ' || text, rank FROM logs
             UNION ALL SELECT time_us, 'failure', kind || ' ' || what || ' ' || detail, rank FROM failures)
         WHERE rank = {int(who)} AND time_us <= {until} ORDER BY time_us DESC LIMIT {int(n)}""")
     print(f"last {len(rows)} events of rank {who}" + (" up to its failure" if fail and rank is None else ""))

@@ -8,7 +8,9 @@ The column lists below are the documented schema of each table.
 """
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from collections.abc import Iterator
@@ -22,20 +24,21 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
     "actors": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("actor", "VARCHAR"), ("class", "VARCHAR"),
                ("time_us", "BIGINT")),
     "messages": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("actor", "VARCHAR"), ("endpoint", "VARCHAR"),
-                 ("bytes", "BIGINT"), ("enqueue_us", "BIGINT"), ("start_us", "BIGINT"), ("end_us", "BIGINT"),
-                 ("status", "VARCHAR")),
+                 ("sender", "VARCHAR"), ("bytes", "BIGINT"), ("enqueue_us", "BIGINT"), ("start_us", "BIGINT"),
+                 ("end_us", "BIGINT"), ("status", "VARCHAR")),
     "ops": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("program", "BIGINT"), ("op", "VARCHAR"),
             ("instructions", "INTEGER"), ("start_us", "BIGINT"), ("end_us", "BIGINT")),
     "collectives": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("kind", "VARCHAR"), ("mdim", "INTEGER"),
                     ("bytes", "BIGINT"), ("start_us", "BIGINT"), ("end_us", "BIGINT")),
     "memory": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("rss_bytes", "BIGINT"), ("tensor_bytes", "BIGINT"),
-               ("buffers", "INTEGER"), ("time_us", "BIGINT")),
-    "logs": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("stream", "VARCHAR"), ("text", "VARCHAR"),
-             ("time_us", "BIGINT")),
+               ("buffers", "INTEGER"), ("cuda_allocated_bytes", "BIGINT"), ("cuda_reserved_bytes", "BIGINT"),
+               ("time_us", "BIGINT")),
+    "logs": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("stream", "VARCHAR"), ("level", "VARCHAR"),
+             ("text", "VARCHAR"), ("time_us", "BIGINT")),
     "failures": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("kind", "VARCHAR"), ("what", "VARCHAR"),
                  ("detail", "VARCHAR"), ("time_us", "BIGINT")),
 }
-WORKER_TABLES = ("messages", "ops", "collectives", "memory")  # recorded without their mesh: added on arrival
+WORKER_TABLES = ("messages", "ops", "collectives", "memory", "logs")  # recorded without mesh: added on arrival
 BATCH = 4096        # a worker ships its events unasked once it holds this many
 LIMIT = 1_000_000   # events a process keeps before it drops the oldest half of a table
 
@@ -52,9 +55,13 @@ class Events:
         return zip(*[iter(flat)] * width(name), strict=True)
 
 
+def recorded(table: str) -> list[str]:
+    """The columns of a row as recorded: workers leave out the mesh, which the controller adds on arrival."""
+    return [c for c, _ in TABLES[table] if c != "mesh" or table not in WORKER_TABLES]
+
+
 def width(table: str) -> int:
-    """Values per recorded row: workers leave out the mesh, which the controller adds on arrival."""
-    return len(TABLES[table]) - (table in WORKER_TABLES)
+    return len(recorded(table))
 
 
 class Recorder:
@@ -95,13 +102,53 @@ def rss_bytes() -> int:
         return 0
 
 
-def record_logs(mesh: str, shape: Any, stream: str, text: str) -> None:
-    """Worker output lines, `[dp=0,tp=1] text` as the monitors prefix them, into the logs table."""
+def cuda_bytes() -> tuple[int, int]:
+    """Bytes allocated and reserved by torch's CUDA caching allocator in this process (0, 0 without CUDA
+    in use); never imports torch or initializes CUDA itself."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0, 0
+    devices = range(torch.cuda.device_count())
+    return (sum(int(torch.cuda.memory_allocated(d)) for d in devices),
+            sum(int(torch.cuda.memory_reserved(d)) for d in devices))
+
+
+def output_lines(shape: Any, stream: str, text: str) -> Events:
+    """Worker output, `[dp=0,tp=1] text` per line as the monitors prefix it, as rows of `logs` (no level)."""
     now = now_us()
+    flat: list[Any] = []
     for line in text.splitlines():
         label, _, rest = line.partition("] ")
-        rank = _rank_of(shape, label.removeprefix("[")) if rest else -1
-        RECORDER.add("logs", (rank, mesh, stream, rest or line, now))
+        flat.extend((_rank_of(shape, label.removeprefix("[")) if rest else -1, stream, "", rest or line, now))
+    return Events({"logs": flat})
+
+
+class LogRecords(logging.Handler):
+    """Records every `logging` record that reaches a worker's root logger into `logs` (stream "logging",
+    with its level). It prints a record as logging's last resort would have, when no other handler
+    takes it, so adding it changes nothing on the terminal."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if RECORDER.on:
+            RECORDER.add("logs", (self.rank, "logging", record.levelname, self.format(record),
+                                  int(record.created * 1e6)))
+        last = logging.lastResort
+        if last is not None and record.levelno >= last.level and not self._others(record):
+            last.handle(record)
+
+    def _others(self, record: logging.LogRecord) -> bool:
+        """Whether a handler besides this one sees the record (the walk of Logger.callHandlers)."""
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return True
+            logger = logger.parent if logger.propagate else None
+        return False
 
 
 def _rank_of(shape: Any, label: str) -> int:

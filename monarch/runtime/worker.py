@@ -8,6 +8,7 @@ messages of its other, idle actors (each actor still sees its own messages in or
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import select
 import socket
@@ -25,7 +26,7 @@ from monarch.runtime.futures import CallState
 from monarch.runtime.hosting import HostedActor
 from monarch.runtime.shape import Shape
 from monarch.runtime.spin import AdaptiveSpin
-from monarch.runtime.telemetry import BATCH, RECORDER, Events, now_us, rss_bytes
+from monarch.runtime.telemetry import BATCH, RECORDER, Events, LogRecords, cuda_bytes, now_us, rss_bytes
 
 
 class Worker:
@@ -131,7 +132,7 @@ class Worker:
 
     def _record_calls(self) -> None:
         for msg, start, end, ok in self._ran:
-            RECORDER.add("messages", (self.rank, msg.actor, msg.endpoint, len(msg.args),
+            RECORDER.add("messages", (self.rank, msg.actor, msg.endpoint, msg.sender or "controller", len(msg.args),
                                       self._arrived.pop(id(msg), start), start, end, "ok" if ok else "error"))
         self._ran.clear()
 
@@ -189,7 +190,8 @@ class Worker:
         self._record_calls()
         store = self._tensors.engine.store if self._tensors is not None else {}
         tensors = [v for v in store.values() if hasattr(v, "nbytes")]
-        RECORDER.add("memory", (self.rank, rss_bytes(), sum(t.nbytes for t in tensors), len(tensors), now_us()))
+        RECORDER.add("memory", (self.rank, rss_bytes(), sum(t.nbytes for t in tensors), len(tensors), *cuda_bytes(),
+                                now_us()))
         return RECORDER.take()
 
     def _stop(self, msg: Stop) -> None:
@@ -228,6 +230,7 @@ def main(argv: list[str]) -> int:
     from monarch.runtime import bootstrap
     boot = bootstrap.start(argv)
     worker = Worker(boot.sock, boot.rank)
+    logging.getLogger().addHandler(LogRecords(boot.rank))
     set_client(worker)
     worker.serve()
     worker.flush()
