@@ -192,6 +192,17 @@ def test_profiling_times_every_instruction() -> None:
     assert {(r, op) for r in (0, 1) for op in ("aten::mul.Tensor", "aten::add.Tensor")} <= set(rows)
 
 
+def test_a_busy_worker_samples_its_memory_every_second(procs: ProcMesh) -> None:
+    one = procs.spawn("telemetry_busy", Echo).slice(dp=1, tp=1)
+    one.ping.call_one(0).get(timeout=T)  # the worker has imported this module
+    since = now_us()
+    while now_us() - since < 2_200_000:  # a few hundred calls: far fewer events than a shipped batch holds
+        one.ping.call_one(0).get(timeout=T)
+        time.sleep(0.005)
+    samples = procs.sql(f"SELECT time_us FROM memory WHERE rank = 3 AND time_us >= {since} ORDER BY time_us")
+    assert len(samples) >= 3  # about one a second while busy, and one with the shipped batch
+
+
 def test_worker_rows_name_their_mesh(procs: ProcMesh) -> None:
     echo = procs.spawn("telemetry_mesh", Echo)
     echo.ping.call(1).get(timeout=T)

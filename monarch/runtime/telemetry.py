@@ -40,6 +40,7 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 WORKER_TABLES = ("messages", "ops", "collectives", "memory", "logs")  # recorded without mesh: added on arrival
 BATCH = 4096        # a worker ships its events unasked once it holds this many
+MEMORY_EVERY_S = 1.0  # a busy worker samples its memory this often (and whenever it ships events)
 LIMIT = 1_000_000   # events a process keeps before it drops the oldest half of a table
 
 

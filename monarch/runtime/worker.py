@@ -26,7 +26,7 @@ from monarch.runtime.futures import CallState
 from monarch.runtime.hosting import HostedActor
 from monarch.runtime.shape import Shape
 from monarch.runtime.spin import AdaptiveSpin
-from monarch.runtime.telemetry import BATCH, RECORDER, Events, LogRecords, cuda_bytes, now_us, rss_bytes
+from monarch.runtime.telemetry import BATCH, MEMORY_EVERY_S, RECORDER, Events, LogRecords, cuda_bytes, now_us, rss_bytes
 
 
 class Worker:
@@ -53,6 +53,7 @@ class Worker:
         self._arrived: dict[int, int] = {}  # id(Call) -> when it arrived (µs), for the messages table
         self._ran: list[tuple[Call, int, int, bool]] = []  # calls run since the last flush: start, end, ok
         self._tensors: Any = None  # the tensor engine, created (with torch) on the first RunProgram
+        self._sampled = 0.0  # time.monotonic() of the last memory sample
 
     def serve(self) -> None:
         """Run until told to stop or until the controller goes away."""
@@ -121,7 +122,8 @@ class Worker:
         self._pending.clear()
 
     def flush(self) -> None:
-        """Send what the handlers queued; then record the calls that ran (off the replies' path)."""
+        """Send what the handlers queued; then record the calls that ran (off the replies' path), and
+        a memory sample when the last one is MEMORY_EVERY_S old."""
         if RECORDER.count >= BATCH:
             self._outbox.append(self._events())
         if self._outbox:
@@ -129,6 +131,8 @@ class Worker:
             self.sock.sendall(frame)
         if self._ran:
             self._record_calls()
+        if RECORDER.on and time.monotonic() >= self._sampled + MEMORY_EVERY_S:
+            self._sample_memory()
 
     def _record_calls(self) -> None:
         for msg, start, end, ok in self._ran:
@@ -188,11 +192,15 @@ class Worker:
     def _events(self) -> Events:
         """This worker's pending events, with a memory sample."""
         self._record_calls()
+        self._sample_memory()
+        return RECORDER.take()
+
+    def _sample_memory(self) -> None:
         store = self._tensors.engine.store if self._tensors is not None else {}
         tensors = [v for v in store.values() if hasattr(v, "nbytes")]
         RECORDER.add("memory", (self.rank, rss_bytes(), sum(t.nbytes for t in tensors), len(tensors), *cuda_bytes(),
                                 now_us()))
-        return RECORDER.take()
+        self._sampled = time.monotonic()
 
     def _stop(self, msg: Stop) -> None:
         self._stopped = True
