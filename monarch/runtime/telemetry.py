@@ -12,8 +12,8 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from monarch import config
