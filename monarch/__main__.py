@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     from monarch import top
     try:
         if a.cmd == "query":
-            Console().print(top.table(*top.run(a.sql, a.pid)))
+            answer = top.run(a.sql, a.pid)
+            Console().print(top.table(answer.columns, answer.rows))
+            if answer.late:
+                print(f"monarch: no events yet from {', '.join(answer.late)} (busy?)", file=sys.stderr)
         elif a.once:
             Console().print(top.screen(a.pid))
         else:

@@ -8,7 +8,7 @@ history, Ctrl+Q quits). Queries run on worker threads, so a slow controller neve
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Group, RenderableType
 from rich.panel import Panel
@@ -25,12 +25,18 @@ WINDOW_US = 5_000_000  # message rates and busy time over the last 5 s of record
 TIMEOUT_S = 10.0       # a query that takes longer is reported, and the view tries again later
 
 
-def run(sql: str, pid: int | None) -> tuple[list[str], list[list[Any]]]:
-    """Columns and rows of `sql` on the controller; RuntimeError with the database's message."""
+class Answer(NamedTuple):
+    columns: list[str]
+    rows: list[list[Any]]
+    late: list[str]  # ranks whose newest events were not in yet (busy in a long call)
+
+
+def run(sql: str, pid: int | None) -> Answer:
+    """The answer to `sql` from the controller; RuntimeError with the database's message."""
     answer = query(sql, pid, timeout=TIMEOUT_S)
     if "error" in answer:
         raise RuntimeError(answer["error"])
-    return answer["columns"], answer["rows"]
+    return Answer(answer["columns"], answer["rows"], answer.get("late", []))
 
 
 def table(columns: list[str], rows: list[list[Any]], title: str = "") -> Table:
@@ -44,10 +50,10 @@ def table(columns: list[str], rows: list[list[Any]], title: str = "") -> Table:
 
 def mesh_tree(pid: int | None) -> Tree:
     """Hosts -> procs (mesh, rank, pid, latest event) -> the actors on each proc."""
-    _, procs = run("SELECT arg_max(host, time_us) FILTER (WHERE host <> ''), mesh, rank, arg_max(pid, time_us), "
-                   "arg_max(event, time_us), arg_max(detail, time_us) FROM procs GROUP BY mesh, rank "
-                   "ORDER BY mesh, rank", pid)
-    _, actors = run("SELECT mesh, rank, string_agg(DISTINCT actor, ', ') FROM actors GROUP BY mesh, rank", pid)
+    procs = run("SELECT arg_max(host, time_us) FILTER (WHERE host <> ''), mesh, rank, arg_max(pid, time_us), "
+                "arg_max(event, time_us), arg_max(detail, time_us) FROM procs GROUP BY mesh, rank "
+                "ORDER BY mesh, rank", pid).rows
+    actors = run("SELECT mesh, rank, string_agg(DISTINCT actor, ', ') FROM actors GROUP BY mesh, rank", pid).rows
     on = {(m, r): a for m, r, a in actors}
     root = Tree("controller")
     hosts: dict[str, Tree] = {}
@@ -63,7 +69,7 @@ def mesh_tree(pid: int | None) -> Tree:
 
 
 def activity(pid: int | None) -> Table:
-    cols, rows = run(f"""
+    answer = run(f"""
         WITH recent AS (SELECT * FROM messages WHERE end_us > (SELECT max(end_us) FROM messages) - {WINDOW_US}),
              calls AS (SELECT mesh, rank, count(*) * 1e6 / {WINDOW_US} AS msgs_per_s,
                               round(100.0 * sum(end_us - start_us) / {WINDOW_US}, 1) AS busy_pct
@@ -73,13 +79,14 @@ def activity(pid: int | None) -> Table:
         SELECT coalesce(calls.mesh, mem.mesh) AS mesh, coalesce(calls.rank, mem.rank) AS rank, msgs_per_s,
                busy_pct, rss_mb, tensor_mb
         FROM calls FULL OUTER JOIN mem ON calls.mesh = mem.mesh AND calls.rank = mem.rank ORDER BY mesh, rank""",
-                     pid)
-    return table(cols, rows, "activity per rank (last 5 s of calls; latest memory sample)")
+                 pid)
+    late = f"; not answering now: {', '.join(answer.late)}" if answer.late else ""
+    return table(answer.columns, answer.rows, f"activity per rank (last 5 s of calls; latest memory sample{late})")
 
 
 def failures(pid: int | None) -> Table:
-    cols, rows = run("SELECT mesh, rank, kind, what, detail FROM failures ORDER BY time_us DESC LIMIT 5", pid)
-    return table(cols, rows, "latest failures")
+    answer = run("SELECT mesh, rank, kind, what, detail FROM failures ORDER BY time_us DESC LIMIT 5", pid)
+    return table(answer.columns, answer.rows, "latest failures")
 
 
 def screen(pid: int | None) -> RenderableType:
@@ -158,7 +165,8 @@ class Top(App[None]):
     @work(thread=True, exclusive=True, group="sql")
     def answer(self, sql: str) -> None:
         try:
-            shown: RenderableType = Panel(table(*run(sql, self.pid)), title=sql)
+            answer = run(sql, self.pid)
+            shown: RenderableType = Panel(table(answer.columns, answer.rows), title=sql)
         except (RuntimeError, OSError) as e:
             shown = Panel(f"[red]{e}[/]", title=sql)
         self.call_from_thread(self.query_one("#result", Static).update, shown)

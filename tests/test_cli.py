@@ -119,4 +119,4 @@ def test_admin_endpoint_needs_the_token(controller_pid: int) -> None:
     with socket.create_connection(("127.0.0.1", info["port"]), timeout=10) as sock:
         sock.sendall(bytes.fromhex(info["token"]))
         send_json(sock, {"sql": "SELECT 41 + 1"})
-        assert recv_json(sock) == {"columns": ["(41 + 1)"], "rows": [[42]]}
+        assert recv_json(sock) == {"columns": ["(41 + 1)"], "rows": [[42]], "late": []}

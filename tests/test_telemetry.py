@@ -16,6 +16,7 @@ import monarch
 from monarch import Shard
 from monarch.actor import Actor, ProcMesh, endpoint, this_host
 from monarch.errors import SupervisionError
+from monarch.runtime.controller import TelemetrySink
 from monarch.runtime.telemetry import TABLES, now_us
 
 T = 30.0
@@ -39,6 +40,10 @@ class Echo(Actor):
         return int(other.ping.call_one(7).get(timeout=T))
 
     @endpoint
+    def nap(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @endpoint
     def warn(self) -> None:
         logging.getLogger("telemetry.test").warning("careful: %d", 3)
 
@@ -60,6 +65,22 @@ def test_messages_name_their_sender(procs: ProcMesh) -> None:
     assert echo.slice(dp=1, tp=0).relay.call_one(echo.slice(dp=0, tp=1)).get(timeout=T) == 7
     assert procs.sql("SELECT rank, endpoint, sender FROM messages WHERE actor = 'telemetry_relay' ORDER BY rank") == [
         (1, "ping", "procs[2]"), (2, "relay", "controller")]
+
+
+def test_a_busy_rank_holds_up_no_query_and_loses_no_events(procs: ProcMesh) -> None:
+    one = procs.spawn("telemetry_nap", Echo).slice(dp=0, tp=1)
+    for i in range(10):
+        one.ping.call_one(i).get(timeout=T)
+    napping = one.nap.call_one(3.0)
+    time.sleep(0.3)
+    started = time.monotonic()
+    for _ in range(3):  # the busy rank is asked once, not once per query
+        assert procs.sql("SELECT 1", timeout=0.2).late == ["procs[1]"]
+    assert time.monotonic() - started < 2.0
+    assert sum(type(s) is TelemetrySink for s in procs._mesh.pending.values()) == 1
+    napping.get(timeout=T)
+    rows = procs.sql("SELECT endpoint, count(*) FROM messages WHERE actor = 'telemetry_nap' GROUP BY 1 ORDER BY 1")
+    assert rows == [("nap", 1), ("ping", 10)] and rows.late == []
 
 
 def test_logging_records_keep_their_level_and_still_print(procs: ProcMesh) -> None:

@@ -3,7 +3,8 @@
 A thread of the controller listens on loopback and announces its port and a random token in a file
 only this user can read (`$XDG_RUNTIME_DIR` or the temp dir, `monarch/controller-<pid>.json`). A
 client sends the token first (compared in constant time before anything else is read), then one
-JSON request `{"sql": ...}`; the answer is JSON `{"columns": [...], "rows": [...]}` or `{"error": ...}`.
+JSON request `{"sql": ...}`; the answer is JSON `{"columns": [...], "rows": [...], "late": [...]}` (late:
+the ranks that did not send their events within WAIT_S) or `{"error": ...}`.
 Nothing a client sends is unpickled.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 TOKEN_BYTES = 32
 _LEN = struct.Struct("!I")
 MAX_REQUEST = 1 << 20
+WAIT_S = 2.0  # how long a query waits for the workers' newest events; a rank busy in a long call is skipped
 
 
 def announce_dir() -> Path:
@@ -92,8 +94,8 @@ class AdminServer:
         request = recv_json(conn, MAX_REQUEST)
         from monarch.runtime.procs import sql
         try:
-            rows = sql(str(request["sql"]))
-            send_json(conn, {"columns": rows.columns, "rows": [list(r) for r in rows]})
+            rows = sql(str(request["sql"]), WAIT_S)
+            send_json(conn, {"columns": rows.columns, "rows": [list(r) for r in rows], "late": rows.late})
         except Exception as e:  # noqa: BLE001 - the client shows the error
             send_json(conn, {"error": f"{type(e).__name__}: {e}"})
 

@@ -16,9 +16,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from monarch import config
@@ -108,6 +108,28 @@ class ForwardSink:
             self.deliver(r, False, exc)
 
 
+class TelemetrySink:
+    """Replies to a ShipTelemetry: each rank's batch of events goes into the Store as it arrives, so a
+    rank that answers after its caller stopped waiting loses nothing (a rank that fails brings none)."""
+
+    what = "telemetry"
+
+    def __init__(self, mesh: str, ranks: frozenset[int]) -> None:
+        self.mesh, self.missing = mesh, ranks  # replaced, never mutated: other threads read it
+
+    @property
+    def done(self) -> bool:
+        return not self.missing
+
+    def deliver(self, rank: int, ok: bool, payload: Any) -> None:
+        self.missing = self.missing - {rank}
+        if ok:
+            STORE.add(codec.loads(payload), self.mesh)
+
+    def fail_missing(self, exc: BaseException) -> None:
+        self.missing = frozenset()
+
+
 class Mesh:
     """Controller-side record of one MPI job: its connections, pending calls and fate."""
 
@@ -115,7 +137,7 @@ class Mesh:
         self.id, self.name, self.shape, self.token = mesh_id, name, shape, token
         self.conns: list[Conn | None] = [None] * len(shape)
         self.pids: list[int] = [0] * len(shape)
-        self.pending: dict[tuple[int, int], CallState | ForwardSink] = {}
+        self.pending: dict[tuple[int, int], CallState | ForwardSink | TelemetrySink] = {}
         self.actors: set[str] = set()
         self.proc: subprocess.Popen[bytes] | None = None
         self.settled = threading.Event()  # every worker said hello, or the mesh failed
@@ -131,6 +153,11 @@ class Mesh:
     @property
     def live(self) -> bool:
         return self.failure is None and not self.stopping
+
+    def awaiting_telemetry(self) -> frozenset[int]:
+        """Ranks that have not answered a request for their events yet."""
+        sinks = [s for s in list(self.pending.values()) if type(s) is TelemetrySink]
+        return frozenset().union(*(s.missing for s in sinks))
 
 
 class Controller:
@@ -174,6 +201,9 @@ class Controller:
 
     def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
         self._poller.drive(lambda: len(state.arrived) >= arrived, deadline)
+
+    def wait_until(self, done: Callable[[], bool], deadline: float | None) -> None:
+        self._poller.drive(done, deadline)
 
     def mesh(self, mesh_id: int) -> Mesh:
         try:
@@ -295,12 +325,21 @@ class Controller:
         """With an OpenTelemetry exporter on, fetch every mesh's events now and then (without waiting)."""
         STORE.add(RECORDER.take(), "local")
         for mesh in list(self.meshes.values()):
-            if not mesh.live:
-                continue
-            state, call_id = CallState(mesh.shape, "telemetry"), self.next_call_id()
-            state.on_done(partial(_store_events, state, mesh.name))
-            mesh.pending[(CONTROLLER, call_id)] = state
-            self.fan_out(mesh, mesh.shape, codec.encode_frame([ShipTelemetry(call_id)]))
+            if mesh.live:
+                self.ship_telemetry(mesh)
+
+    def ship_telemetry(self, mesh: Mesh) -> TelemetrySink:
+        """Ask the workers of `mesh` for the events they recorded; the batches are stored as they arrive.
+        A rank that has not answered an earlier request yet (busy in a long call) is not asked again."""
+        asked = mesh.awaiting_telemetry()
+        sink = TelemetrySink(mesh.name, frozenset(r for r in mesh.shape.ranks() if r not in asked))
+        if sink.missing:
+            call_id = self.next_call_id()
+            mesh.pending[(CONTROLLER, call_id)] = sink
+            frame = codec.encode_frame([ShipTelemetry(call_id)])
+            for r in sink.missing:
+                self._send_rank(mesh, r, frame)
+        return sink
 
     def _accept(self, listener: socket.socket) -> None:
         try:
@@ -434,13 +473,6 @@ class Controller:
         for other in list(self.meshes.values()):
             if other.live:
                 self.fan_out(other, other.shape, frame)
-
-
-def _store_events(state: CallState, mesh: str) -> None:
-    """The batches a telemetry fetch brought (a rank that failed meanwhile brings none)."""
-    for i, raw in enumerate(state.raw):
-        if raw is not None and raw[0]:
-            STORE.add(state.value(i), mesh)
 
 
 class _ConnReader:

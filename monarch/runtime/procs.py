@@ -5,18 +5,21 @@ A ProcMesh is a named-dim view of one MPI job. Its dims are the `per_host` dims,
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from monarch.errors import MeshError, SupervisionError
 from monarch.runtime import codec
-from monarch.runtime.commands import CONTROLLER, ShipTelemetry, SpawnActor
+from monarch.runtime.commands import SpawnActor
 from monarch.runtime.controller import Mesh, controller
 from monarch.runtime.endpoint import endpoints_of
-from monarch.runtime.futures import CallState, Future, mesh_result
+from monarch.runtime.futures import deadline_of
 from monarch.runtime.mesh import ActorMesh
 from monarch.runtime.shape import MeshView, Shape
 from monarch.runtime.telemetry import RECORDER, now_us
 from monarch.runtime.telemetry_db import STORE, Rows
+
+log = logging.getLogger("monarch")
 
 
 class HostMesh(MeshView):
@@ -53,25 +56,29 @@ class HostMesh(MeshView):
         return f"<HostMesh {self._hosts}>"
 
 
-def collect(mesh: Mesh, timeout: float) -> None:
-    """Fetch the events the workers of `mesh` recorded (nothing when the mesh is gone)."""
-    if not mesh.live:
-        return
+def collect(meshes: list[Mesh], timeout: float) -> list[str]:
+    """Fetch the events the workers of `meshes` recorded, waiting up to `timeout` s in all. Returns the
+    ranks (`mesh[rank]`) that did not answer in time, such as a rank busy in a long call: their events
+    are stored whenever they do answer."""
     ctl = controller()
-    state = CallState(mesh.shape, f"telemetry of {mesh.name!r}")
-    call_id = ctl.next_call_id()
-    mesh.pending[(CONTROLLER, call_id)] = state
-    ctl.fan_out(mesh, mesh.shape, codec.encode_frame([ShipTelemetry(call_id)]))
-    for events in Future(state, ctl, mesh_result).get(timeout).values():
-        STORE.add(events, mesh.name)
+    asked = [(mesh, ctl.ship_telemetry(mesh)) for mesh in meshes if mesh.live]
+    ctl.wait_until(lambda: all(s.done for _, s in asked), deadline_of(timeout))
+    late = [f"{mesh.name}[{r}]" for mesh, _ in asked for r in sorted(mesh.awaiting_telemetry())]
+    if late:
+        log.warning("monarch: %s did not send telemetry within %s s (busy in a long call?); the query runs "
+                    "without their newest events", ", ".join(late), timeout)
+    return late
 
 
 def sql(query: str, timeout: float = 30.0) -> Rows:
     """Run SQL over the telemetry of this process and of every running mesh (`monarch.sql`)."""
-    for mesh in list(controller().meshes.values()):
-        collect(mesh, timeout)
+    return _query(query, list(controller().meshes.values()), timeout)
+
+
+def _query(query: str, meshes: list[Mesh], timeout: float) -> Rows:
+    late = collect(meshes, timeout)
     STORE.add(RECORDER.take(), "local")
-    return STORE.sql(query)
+    return STORE.sql(query, late)
 
 
 def debug(n: int = 20, rank: int | None = None, timeout: float = 30.0) -> Rows:
@@ -141,10 +148,9 @@ class ProcMesh(MeshView):
 
     def sql(self, query: str, timeout: float = 30.0) -> Rows:
         """Run SQL over the telemetry of this process (controller and every mesh), after fetching what
-        this mesh's workers recorded. Tables: see monarch/runtime/telemetry.py."""
-        collect(self._mesh, timeout)
-        STORE.add(RECORDER.take(), "local")
-        return STORE.sql(query)
+        this mesh's workers recorded (waiting up to `timeout` s; `Rows.late` names the ranks that did
+        not answer in time). Tables: see README.md or monarch/runtime/telemetry.py."""
+        return _query(query, [self._mesh], timeout)
 
     def activate(self) -> Any:
         """Context manager: plain torch factories (torch.randn, torch.zeros, ...) create MeshTensors here."""

@@ -20,11 +20,13 @@ LOAD_AT = 200_000  # pending events that are loaded into the database without wa
 
 
 class Rows(list):
-    """Query results: a list of tuples, with `.columns`; `.df()` with pandas, `.arrow()` with pyarrow."""
+    """Query results: a list of tuples, with `.columns`; `.df()` with pandas, `.arrow()` with pyarrow.
+    `.late` names the ranks (`mesh[rank]`) whose newest events were not in yet when the query ran."""
 
-    def __init__(self, rows: list[tuple], columns: list[str]) -> None:
+    def __init__(self, rows: list[tuple], columns: list[str], late: list[str] | None = None) -> None:
         super().__init__(rows)
         self.columns = columns
+        self.late = late or []
 
     def df(self) -> Any:
         try:
@@ -71,13 +73,13 @@ class Store:
             with self._db_lock:
                 self._load(self._connect())
 
-    def sql(self, query: str) -> Rows:
-        """Run `query` over every event recorded so far."""
+    def sql(self, query: str, late: list[str] | None = None) -> Rows:
+        """Run `query` over every event recorded so far (`late`: ranks known to be missing events)."""
         with self._db_lock:
             con = self._connect()
             self._load(con)
             cur = con.execute(query)
-            return Rows(cur.fetchall(), [d[0] for d in cur.description or ()])
+            return Rows(cur.fetchall(), [d[0] for d in cur.description or ()], late)
 
     def _connect(self) -> Any:
         if self._con is None:
