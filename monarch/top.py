@@ -70,15 +70,17 @@ def mesh_tree(pid: int | None) -> Tree:
 
 def activity(pid: int | None) -> Table:
     answer = run(f"""
-        WITH recent AS (SELECT * FROM messages WHERE end_us > (SELECT max(end_us) FROM messages) - {WINDOW_US}),
+        WITH since AS (SELECT max(end_us) - {WINDOW_US} AS t0 FROM messages),
              calls AS (SELECT mesh, rank, count(*) * 1e6 / {WINDOW_US} AS msgs_per_s,
-                              round(100.0 * sum(end_us - start_us) / {WINDOW_US}, 1) AS busy_pct
-                       FROM recent GROUP BY mesh, rank),
+                              round(100.0 * sum(end_us - greatest(start_us, t0)) / {WINDOW_US}, 1) AS busy_pct
+                       FROM messages, since WHERE end_us > t0 GROUP BY mesh, rank),
              mem AS (SELECT mesh, rank, arg_max(rss_bytes, time_us) // 1048576 AS rss_mb,
                             arg_max(tensor_bytes, time_us) // 1048576 AS tensor_mb FROM memory GROUP BY mesh, rank)
-        SELECT coalesce(calls.mesh, mem.mesh) AS mesh, coalesce(calls.rank, mem.rank) AS rank, msgs_per_s,
-               busy_pct, rss_mb, tensor_mb
-        FROM calls FULL OUTER JOIN mem ON calls.mesh = mem.mesh AND calls.rank = mem.rank ORDER BY mesh, rank""",
+        SELECT p.mesh, p.rank, coalesce(msgs_per_s, 0) AS msgs_per_s, coalesce(busy_pct, 0) AS busy_pct, rss_mb,
+               tensor_mb
+        FROM (SELECT DISTINCT mesh, rank FROM procs WHERE rank >= 0) p
+             LEFT JOIN calls ON calls.mesh = p.mesh AND calls.rank = p.rank
+             LEFT JOIN mem ON mem.mesh = p.mesh AND mem.rank = p.rank ORDER BY p.mesh, p.rank""",
                  pid)
     late = f"; not answering now: {', '.join(answer.late)}" if answer.late else ""
     return table(answer.columns, answer.rows, f"activity per rank (last 5 s of calls; latest memory sample{late})")
