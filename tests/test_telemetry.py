@@ -47,6 +47,11 @@ class Echo(Actor):
     def warn(self) -> None:
         logging.getLogger("telemetry.test").warning("careful: %d", 3)
 
+    @endpoint
+    def configure_and_log(self) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(message)s")
+        logging.getLogger("telemetry.test").info("configured: %d", 1)
+
 
 def test_calls_become_rows_of_messages(procs: ProcMesh) -> None:
     echo = procs.spawn("telemetry_echo", Echo)
@@ -90,6 +95,15 @@ def test_logging_records_keep_their_level_and_still_print(procs: ProcMesh) -> No
     while len(rows := procs.sql(query)) < 2 and time.monotonic() < deadline:  # stderr comes through the monitor
         time.sleep(0.05)
     assert rows == [(1, "logging", "WARNING", "telemetry.test: careful: 3"), (1, "stderr", "", "careful: 3")]
+
+
+def test_logging_configured_by_the_user_works_as_without_monarch(procs: ProcMesh) -> None:
+    procs.spawn("telemetry_configure", Echo).slice(dp=1, tp=0).configure_and_log.call_one().get(timeout=T)
+    query = "SELECT rank, stream, level, text FROM logs WHERE text LIKE '%configured: 1' ORDER BY stream"
+    deadline = time.monotonic() + T
+    while len(rows := procs.sql(query)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rows == [(2, "logging", "INFO", "telemetry.test: configured: 1"), (2, "stderr", "", "INFO|configured: 1")]
 
 
 def test_errors_logs_and_standard_sql(procs: ProcMesh) -> None:

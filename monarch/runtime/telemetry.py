@@ -124,32 +124,26 @@ def output_lines(shape: Any, stream: str, text: str) -> Events:
     return Events({"logs": flat})
 
 
-class LogRecords(logging.Handler):
-    """Records every `logging` record that reaches a worker's root logger into `logs` (stream "logging",
-    with its level). It prints a record as logging's last resort would have, when no other handler
-    takes it, so adding it changes nothing on the terminal."""
+def record_logging(rank: int) -> None:
+    """Record every `logging` record this process creates into `logs` (stream "logging", with its level).
+    It wraps the record factory, not a handler: handlers, `basicConfig` and logging's last resort behave
+    as if monarch were not there. A record exists only when its logger is enabled for its level."""
+    make = logging.getLogRecordFactory()
+    formatter = logging.Formatter()
 
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self.rank = rank
-        self.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-
-    def emit(self, record: logging.LogRecord) -> None:
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
         if RECORDER.on:
-            RECORDER.add("logs", (self.rank, "logging", record.levelname, self.format(record),
-                                  int(record.created * 1e6)))
-        last = logging.lastResort
-        if last is not None and record.levelno >= last.level and not self._others(record):
-            last.handle(record)
+            try:
+                text = f"{record.name}: {record.getMessage()}"
+            except Exception:  # noqa: BLE001 - bad format arguments: logging itself reports those later
+                text = f"{record.name}: {record.msg}"
+            if record.exc_info:
+                text += "\n" + formatter.formatException(record.exc_info)
+            RECORDER.add("logs", (rank, "logging", record.levelname, text, int(record.created * 1e6)))
+        return record
 
-    def _others(self, record: logging.LogRecord) -> bool:
-        """Whether a handler besides this one sees the record (the walk of Logger.callHandlers)."""
-        logger: logging.Logger | None = logging.getLogger(record.name)
-        while logger is not None:
-            if any(h is not self for h in logger.handlers):
-                return True
-            logger = logger.parent if logger.propagate else None
-        return False
+    logging.setLogRecordFactory(factory)
 
 
 def _rank_of(shape: Any, label: str) -> int:

@@ -8,7 +8,6 @@ messages of its other, idle actors (each actor still sees its own messages in or
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 import select
 import socket
@@ -26,7 +25,8 @@ from monarch.runtime.futures import CallState
 from monarch.runtime.hosting import HostedActor
 from monarch.runtime.shape import Shape
 from monarch.runtime.spin import AdaptiveSpin
-from monarch.runtime.telemetry import BATCH, MEMORY_EVERY_S, RECORDER, Events, LogRecords, cuda_bytes, now_us, rss_bytes
+from monarch.runtime.telemetry import (BATCH, MEMORY_EVERY_S, RECORDER, Events, cuda_bytes, now_us, record_logging,
+                                       rss_bytes)
 
 
 class Worker:
@@ -238,7 +238,7 @@ def main(argv: list[str]) -> int:
     from monarch.runtime import bootstrap
     boot = bootstrap.start(argv)
     worker = Worker(boot.sock, boot.rank)
-    logging.getLogger().addHandler(LogRecords(boot.rank))
+    record_logging(boot.rank)
     set_client(worker)
     worker.serve()
     worker.flush()
