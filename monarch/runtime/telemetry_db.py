@@ -52,7 +52,6 @@ class Store:
         self._pending: dict[str, list[tuple[str, list]]] = {t: [] for t in TABLES}  # (mesh, flat rows)
         self._waiting = 0
         self._con: Any = None
-        self.loaded = 0
         self.exporter: Any = from_environment()
 
     def export_to(self, provider: Any, meters: Any = None) -> None:
@@ -103,7 +102,6 @@ class Store:
             con.register("_batch", data)
             con.execute(f"INSERT INTO {table} SELECT {', '.join(c for c, _ in cols)} FROM _batch")
             con.unregister("_batch")
-            self.loaded += len(data["rank"])
 
 
 def _columns(table: str, batches: list[tuple[str, list]]) -> list[list[list]]:
