@@ -38,6 +38,11 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_TELEMETRY_DB", "", "a file for the telemetry database (default: in memory)"),
     Flag("MONARCH_ADMIN", "1", "0: the controller does not answer `monarch query` / `monarch top`"),
     Flag("MONARCH_FLUSH_OPS", "20000", "recorded ops after which the pending graph is shipped without a sync"),
+    Flag("MONARCH_HEARTBEAT_TIMEOUT", "5", "seconds a worker may be silent (no heartbeat) before its mesh fails "
+         "(0: never)"),
+    Flag("MONARCH_TELEMETRY_RETAIN", "200000", "telemetry rows kept per table on the controller; the oldest "
+         "are dropped beyond it"),
+    Flag("MONARCH_MAX_LOCAL_PROCS", "", "most worker processes of one local mesh (default: 16 per core)"),
 ]}
 
 
@@ -111,6 +116,20 @@ def admin() -> bool:
 
 def flush_ops() -> int:
     return int(_get("MONARCH_FLUSH_OPS", int))  # type: ignore[arg-type]
+
+
+def heartbeat_timeout() -> float:
+    return float(_get("MONARCH_HEARTBEAT_TIMEOUT", float))  # type: ignore[arg-type]
+
+
+def telemetry_retain() -> int:
+    return int(_get("MONARCH_TELEMETRY_RETAIN", int))  # type: ignore[arg-type]
+
+
+def max_local_procs() -> int:
+    """MONARCH_MAX_LOCAL_PROCS, else 16 worker processes per core of this host."""
+    raw = FLAGS["MONARCH_MAX_LOCAL_PROCS"].raw().strip()
+    return int(_get("MONARCH_MAX_LOCAL_PROCS", int)) if raw else 16 * (os.cpu_count() or 1)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
