@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,6 +60,20 @@ def test_query_prints_a_table(controller_pid: int) -> None:
                       "WHERE actor = 'cli_echo' GROUP BY rank ORDER BY rank")
     assert out.returncode == 0, out.stderr
     assert "calls" in out.stdout and out.stdout.count("250") == 4
+
+
+def test_the_monarch_command_is_installed(controller_pid: int) -> None:
+    """setup.cfg declares the `monarch` console script; the installed script runs `--help` and a query."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).parents[1] / "setup.cfg")
+    assert "monarch = monarch.__main__:main" in cfg.get("options.entry_points", "console_scripts", fallback="")
+    script = Path(sys.executable).parent / "monarch"
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=T)
+    assert out.returncode == 0 and "monarch query" in out.stdout, out.stderr
+    out = subprocess.run([str(script), "query", "--pid", str(controller_pid), "SELECT 6 * 7 AS answer"],
+                         capture_output=True, text=True, timeout=T, env={**os.environ, "COLUMNS": "120"})
+    assert out.returncode == 0 and "42" in out.stdout, out.stderr
 
 
 def test_query_errors_are_reported(controller_pid: int) -> None:
