@@ -33,6 +33,11 @@ def find_mpiexec() -> str:
                      "(pip install mpich) or set MONARCH_MPIEXEC to the mpiexec of the MPI that mpi4py uses")
 
 
+def all_local(hosts: list[str]) -> bool:
+    """Whether every host of a mesh is this host (the `this_host()` case)."""
+    return all(h == "localhost" for h in hosts)
+
+
 def command(mpiexec: str, shape: Shape, hosts: list[str], control: str, mesh_id: int) -> list[str]:
     """The mpiexec command line; one rank per point of `shape`, spread evenly over `hosts`."""
     dims = ",".join(f"{k}={n}" for k, n in zip(shape.labels, shape.sizes, strict=True))

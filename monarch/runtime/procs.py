@@ -6,10 +6,12 @@ A ProcMesh is a named-dim view of one MPI job. Its dims are the `per_host` dims,
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
-from monarch.errors import MeshError, SupervisionError
-from monarch.runtime import codec
+from monarch import config
+from monarch.errors import MeshError, SpawnError, SupervisionError
+from monarch.runtime import codec, launch
 from monarch.runtime.commands import SpawnActor
 from monarch.runtime.controller import Mesh, controller
 from monarch.runtime.endpoint import endpoints_of
@@ -49,11 +51,21 @@ class HostMesh(MeshView):
         if len(self._hosts) > 1:
             labels, sizes = ("hosts", *labels), (len(self._hosts), *sizes)
         shape = Shape.row_major(labels, sizes)
+        _check_local_size(shape, self._hosts)
         mesh = controller().spawn(name, shape, self._hosts, env, host)
         return ProcMesh(mesh, shape)
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._hosts}>"
+
+
+def _check_local_size(shape: Shape, hosts: list[str]) -> None:
+    """Refuse a mesh on this host alone with more processes than MONARCH_MAX_LOCAL_PROCS, before mpiexec."""
+    limit = config.max_local_procs()
+    if launch.all_local(hosts) and len(shape) > limit:
+        raise SpawnError(f"a mesh of {len(shape)} worker processes ({shape.extent}) on this host is over the "
+                         f"limit of {limit} (MONARCH_MAX_LOCAL_PROCS, default 16 per core; this host has "
+                         f"{os.cpu_count()} cores): spawn fewer processes, or raise MONARCH_MAX_LOCAL_PROCS")
 
 
 def collect(meshes: list[Mesh], timeout: float) -> list[str]:
