@@ -14,6 +14,7 @@ from typing import Any
 from monarch.runtime.shape import Shape
 
 CONTROLLER = 0  # the `reply_to` address of the controller itself; workers get addresses >= 1
+LAUNCHER = -1  # the `rank` of a MeshFailure of the mesh's launcher (mpiexec) rather than of a worker
 
 
 @dataclass(frozen=True)
@@ -111,16 +112,23 @@ class Stop:
 
 @dataclass(frozen=True)
 class MeshFailure:
-    """A worker process of a mesh died: what `__supervise__` receives and SupervisionError reports."""
+    """A worker process (or the launcher, rank LAUNCHER) of a mesh died: what `__supervise__` receives and
+    SupervisionError reports."""
     mesh: str
     rank: int
     coords: str
     pid: int
     status: str
 
+    @property
+    def who(self) -> str:
+        """`worker rank 1 (gpus=1)` or `the launcher mpiexec`."""
+        if self.rank == LAUNCHER:
+            return "the launcher mpiexec"
+        return f"worker rank {self.rank} ({self.coords})" if self.coords else f"worker rank {self.rank}"
+
     def message(self) -> str:
-        where = f"rank {self.rank} ({self.coords})" if self.coords else f"rank {self.rank}"
-        return f"mesh {self.mesh!r}: worker {where}, pid {self.pid}, {self.status}"
+        return f"mesh {self.mesh!r}: {self.who}, pid {self.pid}, {self.status}"
 
 
 @dataclass(frozen=True)
@@ -139,12 +147,16 @@ class ProcExit:
 
 
 def describe_status(wait_status: int) -> str:
-    """`killed by signal 9 (SIGKILL)` or `exited with code 3`."""
-    if os.WIFSIGNALED(wait_status):
-        sig = os.WTERMSIG(wait_status)
+    """`killed by signal 9 (SIGKILL)` or `exited with code 3`, from an os.wait status."""
+    return describe_exit(os.waitstatus_to_exitcode(wait_status))
+
+
+def describe_exit(code: int) -> str:
+    """The same from an exit code as subprocess gives it (minus the signal number when killed)."""
+    if code < 0:
         try:
-            name = signal.Signals(sig).name
+            name = signal.Signals(-code).name
         except ValueError:
             name = "unknown"
-        return f"killed by signal {sig} ({name})"
-    return f"exited with code {os.waitstatus_to_exitcode(wait_status)}"
+        return f"killed by signal {-code} ({name})"
+    return f"exited with code {code}"

@@ -24,8 +24,8 @@ from typing import Any
 from monarch import config
 from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
 from monarch.runtime import codec, launch
-from monarch.runtime.commands import (CONTROLLER, Call, Forward, Hello, MeshFailure, ProcExit, Reply,
-                                      ShipTelemetry, Stop, Supervise, describe_status)
+from monarch.runtime.commands import (CONTROLLER, LAUNCHER, Call, Forward, Hello, MeshFailure, ProcExit, Reply,
+                                      ShipTelemetry, Stop, Supervise, describe_exit, describe_status)
 from monarch.runtime.futures import CallState
 from monarch.runtime.poller import Poller
 from monarch.runtime.shape import Shape
@@ -380,7 +380,7 @@ class Controller:
         except subprocess.TimeoutExpired:
             return
         if mesh.live:
-            self._fail(mesh, -1, mesh.proc.pid, f"mpiexec exited with code {code}")
+            self._fail(mesh, LAUNCHER, mesh.proc.pid, describe_exit(code))
 
     # -- messages from authenticated peers -------------------------------------------------------
     def _authenticate(self, conn: Conn, header: codec.Header | None) -> bool:
@@ -460,7 +460,7 @@ class Controller:
                                         "failures and logs tables of monarch.sql() hold what led to it)",
                                         rank=rank, coords=failure.coords, status=status)
         now = now_us()
-        RECORDER.add("failures", (rank, mesh.name, "supervision", "worker process", status, now))
+        RECORDER.add("failures", (rank, mesh.name, "supervision", failure.who, status, now))
         RECORDER.add("procs", (rank, mesh.name, pid, "", "died", status, now))
         mesh.settled.set()
         for sink in list(mesh.pending.values()):
