@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from monarch.errors import ShardingError
+
 
 def chunk(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     """This rank's piece of a replicated tensor."""
@@ -56,14 +58,34 @@ def arange(start: float, step: float, first: int, length: int, dtype: torch.dtyp
 _LOCAL_FNS: dict[bytes, Callable[..., Any]] = {}
 
 
-def local_map(fn: bytes, *args: Any) -> Any:
-    """Run a user function (pickled by the controller) on this rank's pieces."""
+Planned = tuple[tuple[tuple[int, ...], torch.dtype], ...]  # (local shape, dtype) of each output
+
+
+def local_map(fn: bytes, name: str, planned: Planned, *args: Any) -> Any:
+    """Run a user function (pickled by the controller) on this rank's pieces; its results must have the
+    local shapes and dtypes that tracing it on meta tensors planned (ShardingError otherwise)."""
     f = _LOCAL_FNS.get(fn)
     if f is None:
         from monarch.runtime import codec
         f = _LOCAL_FNS[fn] = codec.loads(fn)
     out = f(*args)
-    return tuple(o.contiguous() for o in out) if isinstance(out, (tuple, list)) else out.contiguous()
+    multi = isinstance(out, (tuple, list))
+    outs = list(out) if multi else [out]
+    if len(outs) != len(planned):
+        raise ShardingError(f"local_map({name}) returned {len(outs)} results here, but tracing it on meta tensors "
+                         f"gave {len(planned)}; fn must return the same structure on real and on meta tensors")
+    for k, (o, (shape, dtype)) in enumerate(zip(outs, planned, strict=True)):
+        _check_planned(name, k, o, shape, dtype)
+    return tuple(o.contiguous() for o in outs) if multi else out.contiguous()
+
+
+def _check_planned(name: str, k: int, o: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    got = (tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None
+    if got != (shape, dtype):
+        have = f"{type(o).__name__} {o!r:.60}" if got is None else f"shape {got[0]} {got[1]}"
+        raise ShardingError(f"local_map({name}): result {k} has {have} here, but tracing fn on meta tensors planned "
+                         f"shape {shape} {dtype} for this rank; fn must give real tensors the shapes and dtypes "
+                         "it gives meta ones (do not branch on x.is_meta or on the values)")
 
 
 KERNELS: dict[str, Callable[..., Any]] = {

@@ -197,7 +197,7 @@ def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | No
     """`fn` run on each rank's local pieces: MeshTensor arguments are redistributed to `in_placements`
     (one entry per positional argument; None keeps a tensor as it is), and the local results form
     MeshTensors placed as `out_placements` (one entry per output when fn returns a tuple)."""
-    blob = codec.dumps(fn)
+    blob, name = codec.dumps(fn), getattr(fn, "__qualname__", repr(fn))
 
     def run(*args: Any) -> Any:
         tensors = [a for a in args if isinstance(a, MeshTensor)]
@@ -217,8 +217,9 @@ def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | No
         it = iter([Buf(i) for _, i in srcs])
         local_args = tuple(next(it) if isinstance(a, MeshTensor) else a for a in moved)
 
-        def make(ctx: Emit) -> list[Local]:
-            return [Local("monarch::local_map", (blob, *local_args), {}, ctx.out_ids)]
+        def make(ctx: Emit) -> list[Local]:  # the worker checks fn's results against this rank's plan
+            planned = tuple((spec.local_shape(ctx.coords), spec.dtype) for spec in specs)
+            return [Local("monarch::local_map", (blob, name, planned, *local_args), {}, ctx.out_ids)]
         node, ids = s.tracer.node(fn, tuple(n for n, _ in srcs), specs, make)
         results = [s.tracer.wrap(spec, node, i) for spec, i in zip(specs, ids, strict=True)]
         return tuple(results) if multi else results[0]
