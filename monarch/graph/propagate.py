@@ -7,8 +7,13 @@ sharded output, then to a Partial one. An op with no rule runs replicated, with 
 """
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from monarch import config
 from monarch.errors import UnsupportedOpError
@@ -17,6 +22,7 @@ from monarch.tensor.placement import Partial, Placement, Shard
 from monarch.tensor.spec import Spec
 
 _warned: set[str] = set()
+_INTERNAL = tuple(str(Path(f).parent) + os.sep for f in (torch.__file__, config.__file__))  # torch/, monarch/
 
 
 @dataclass(frozen=True)
@@ -92,10 +98,18 @@ def _fallback(call: OpCall) -> Decision:
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"monarch: {name} has no sharding rule; its inputs are gathered and it runs replicated "
-                      "(MONARCH_STRICT=1 makes this an error)", stacklevel=4)
+                      "(MONARCH_STRICT=1 makes this an error)", stacklevel=_user_stacklevel())
     s = all_replicated(call)
     mesh = call.ins[0].mesh if call.ins else None
     ndim = mesh.ndim if mesh else 0
     ins = tuple(spec.with_placements(tuple(s.inputs[i] for _ in range(ndim))) for i, spec in enumerate(call.ins))
     outs = tuple(spec.with_placements(tuple(s.outputs[i] for _ in range(ndim))) for i, spec in enumerate(call.outs))
     return Decision(ins, outs, (s,) * ndim, None)
+
+
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel of the first caller outside monarch and torch: the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
