@@ -27,17 +27,22 @@ class Waiter(Protocol):
 
 
 class CallState:
-    """Replies of one call, indexed by position in the called view (row-major)."""
+    """Replies of one call, indexed by position in the called view (row-major). `actor` is (proc mesh id,
+    actor name) for an actor call: until it is answered, a later call to that actor that times out names it."""
 
-    def __init__(self, shape: Shape, what: str) -> None:
+    def __init__(self, shape: Shape, what: str, actor: tuple[int, str] | None = None) -> None:
         self.shape = shape
         self.what = what
+        self.actor = actor
+        self.sent = time.monotonic()
         ranks = shape.ranks()
         self.index = {r: i for i, r in enumerate(ranks)}
         self.raw: list[tuple[bool, Any] | None] = [None] * len(ranks)
         self.arrived: list[int] = []
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
+        if actor is not None:
+            _unanswered[id(self)] = self
 
     @property
     def done(self) -> bool:
@@ -51,7 +56,10 @@ class CallState:
                 return
             self.raw[i] = (ok, payload)
             self.arrived.append(i)
-            callbacks = self._callbacks if self.done else []
+            done = self.done
+            callbacks = self._callbacks if done else []
+        if done:
+            _unanswered.pop(id(self), None)
         for cb in callbacks:
             cb()
 
@@ -59,6 +67,10 @@ class CallState:
         for r, i in self.index.items():
             if self.raw[i] is None:
                 self.deliver(r, False, exc)
+
+    def missing(self) -> set[int]:
+        """Ranks that have not answered yet."""
+        return {r for r, i in self.index.items() if self.raw[i] is None}
 
     def on_done(self, cb: Callable[[], None]) -> None:
         with self._lock:
@@ -75,8 +87,27 @@ class CallState:
         return obj
 
 
+_unanswered: dict[int, CallState] = {}  # id -> actor calls of this process that some rank has not answered
+
+
 def deadline_of(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
+
+
+def timed_out(state: CallState, timeout: float | None) -> TimeoutError:
+    """The error of a wait that ran out, naming the earlier call the actor is still busy with, if any (such
+    as one whose `get()` was interrupted with Ctrl-C: the remote call runs on)."""
+    text = f"{state.what} did not answer within {timeout} s"
+    ranks = state.missing()
+    ahead = [o for o in list(_unanswered.values()) if o is not state and o.actor == state.actor
+             and o.sent <= state.sent and o.missing() & ranks] if state.actor is not None else []
+    if not ahead:
+        return TimeoutError(text)
+    busy = min(ahead, key=lambda o: o.sent)
+    return TimeoutError(f"{text}: the actor is still busy with {busy.what}, called {time.monotonic() - busy.sent:.1f} "
+                        f"s ago and not answered yet on rank(s) {sorted(busy.missing() & ranks)}. An actor runs one "
+                        "call at a time, so this one waits behind it; a call keeps running when its get() is given up "
+                        "or interrupted (Ctrl-C). Wait for that call's future, or give get() a longer timeout")
 
 
 class Future(Generic[R]):
@@ -92,7 +123,7 @@ class Future(Generic[R]):
         if not self._state.done:
             self._waiter.wait(self._state, deadline_of(timeout), len(self._state.raw))
             if not self._state.done:
-                raise TimeoutError(f"{self._state.what} did not answer within {timeout} s")
+                raise timed_out(self._state, timeout)
         return self._result(self._state)
 
     result = get

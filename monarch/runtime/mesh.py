@@ -54,7 +54,7 @@ class EndpointRef:
     def _send(self, shape: Shape, args: tuple, kwargs: dict, want_reply: bool) -> tuple[CallState | None, Any]:
         c = client()
         what = f"{self._mesh._name}.{self._name}"
-        state = CallState(shape, what) if want_reply else None
+        state = CallState(shape, what, (self._mesh._mesh_id, self._mesh._name)) if want_reply else None
         call = Call(c.next_call_id(), CONTROLLER, self._mesh._name, self._name, codec.dumps((args, kwargs)), want_reply)
         c.send(self._mesh._mesh_id, shape, call, state)
         return state, c
