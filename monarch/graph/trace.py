@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch.utils._mode_utils import no_dispatch
 
-from monarch.errors import ShapeError, ShardingError, UnsupportedOpError
+from monarch.errors import ShapeError, UnsupportedOpError
 from monarch.graph.propagate import Decision, decide
 from monarch.graph.redistribute import Plan, emit_step, plan
 from monarch.graph.rules import Emit, OpCall, writes_first_arg
@@ -163,12 +163,10 @@ class Tracer:
     def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         ins: list[MeshTensor] = []
         try:
-            key = (func, _key(args, ins, self), _key(kwargs, ins, self) if kwargs else None)
+            key = (func, _key(args, ins), _key(kwargs, ins) if kwargs else None)
             entry = self.cache.get(key)
         except TypeError:  # an unhashable argument: analyse without caching
             key, entry = None, None
-        except ShardingError as e:
-            raise ShardingError(f"{func.name()}: {e}") from None
         except _PlainTensor:
             return self.record(func, *self._constants((args, kwargs)))
         if entry is None:
@@ -304,21 +302,18 @@ def _plan_emitter(p: Plan) -> NodeEmitter:
     return emit
 
 
-def _key(obj: Any, ins: list[MeshTensor], tracer: Tracer) -> Any:
+def _key(obj: Any, ins: list[MeshTensor]) -> Any:
     """A hashable signature of an argument; collects MeshTensors into `ins` in order."""
     t = type(obj)
-    if t is MeshTensor:
-        if obj._backend is not tracer.backend:
-            raise ShardingError(f"tensors of two meshes met: {obj._backend.mesh} and {tracer.backend.mesh}; "
-                                "compute on one mesh, or move data with .full_tensor() and distribute_tensor")
+    if t is MeshTensor:  # of this tracer's mesh: MeshTensor's dispatch refused tensors of two meshes
         ins.append(obj)
         return obj._spec
     if t in SCALARS:
         return (t, obj)
     if t is tuple or t is list:
-        return (t, *(_key(o, ins, tracer) for o in obj))
+        return (t, *(_key(o, ins) for o in obj))
     if t is dict:
-        return tuple((k, _key(v, ins, tracer)) for k, v in obj.items())
+        return tuple((k, _key(v, ins)) for k, v in obj.items())
     if t is torch.Tensor and obj.ndim == 0 and obj.device.type == "cpu":  # a scalar, e.g. from torch.where(c, x, 0.)
         return (t, obj.dtype, obj.item())
     if isinstance(obj, torch.Tensor):

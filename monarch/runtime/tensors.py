@@ -104,10 +104,15 @@ def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg
     """A MeshTensor holding a copy of `tensor`'s data, each rank receiving only its own piece.
 
     A Partial placement keeps the data on the first rank of that dim (the others hold the reduction's
-    identity), as redistributing a replicated tensor to Partial does."""
-    if isinstance(tensor, MeshTensor):
-        return tensor.redistribute(placements or {})
+    identity), as redistributing a replicated tensor to Partial does. A MeshTensor of `mesh` is
+    redistributed; one of another mesh (e.g. made by a factory inside another mesh's `activate()`) is
+    fetched first, as a redistribution cannot cross meshes."""
     s = session_of(mesh)
+    grad = tensor.requires_grad
+    if isinstance(tensor, MeshTensor):
+        if tensor._backend is s:
+            return tensor.redistribute(placements or {})
+        tensor = tensor.full_tensor()
     ps = normalize(placements, s.abstract.names, tensor.ndim, "distribute_tensor")
     whole = tuple(Replicate() if isinstance(p, Partial) else p for p in ps)
     data = tensor.detach().clone()
@@ -118,7 +123,7 @@ def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg
             piece = piece.narrow(d, start, n)
         return Local("monarch::constant", (piece.clone(),), {}, ctx.out_ids)
     t = _factory(mesh, tuple(data.shape), data.dtype, whole, make, "distribute_tensor").redistribute(ps)
-    if tensor.requires_grad:
+    if grad:
         t.requires_grad_(True)
     return t
 

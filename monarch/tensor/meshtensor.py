@@ -6,7 +6,7 @@ wrapper holds no storage: only the global shape, stride and dtype, the Spec and 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -47,7 +47,7 @@ class MeshTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
                            kwargs: dict | None = None) -> Any:
-        backend = _backend_of(args, kwargs)
+        backend = _backend_of(func, args, kwargs)
         return backend.dispatch(func, args, kwargs or {})
 
     # -- sharding --------------------------------------------------------------------------------
@@ -125,15 +125,26 @@ class _Redistribute(torch.autograd.Function):
         return grad, None
 
 
-def _backend_of(args: tuple, kwargs: dict | None) -> Backend:
-    for a in args:
+def _backend_of(func: Any, args: tuple, kwargs: dict | None) -> Backend:
+    """The one backend of the MeshTensor arguments; tensors of two meshes fail here, before anything is
+    recorded or shipped (a redistribution cannot cross meshes)."""
+    found: Backend | None = None
+    for a in _tensor_args(args, kwargs):
+        if found is None:
+            found = a._backend
+        elif a._backend is not found:
+            raise ShardingError(
+                f"{func}: tensors of two meshes in one op, {found.mesh!r} and {a._backend.mesh!r}; compute on "
+                "one mesh: a redistribution cannot cross meshes, so move the data explicitly, e.g. "
+                "monarch.distribute_tensor(t.full_tensor(), mesh, placements)")
+    assert found is not None, "__torch_dispatch__ without a MeshTensor argument"
+    return found
+
+
+def _tensor_args(args: tuple, kwargs: dict | None) -> Iterator[MeshTensor]:
+    """The MeshTensor arguments of an aten call (top level, or in a list such as torch.cat's)."""
+    for a in (*args, *(kwargs or {}).values()):
         if type(a) is MeshTensor:
-            return a._backend
-        if isinstance(a, (list, tuple)):
-            for b in a:
-                if type(b) is MeshTensor:
-                    return b._backend
-    for a in (kwargs or {}).values():
-        if type(a) is MeshTensor:
-            return a._backend
-    raise AssertionError("__torch_dispatch__ without a MeshTensor argument")
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (b for b in a if type(b) is MeshTensor)
