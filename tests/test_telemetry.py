@@ -1,6 +1,7 @@
 """Telemetry: events recorded on every process, shipped in batches, queried with SQL (DuckDB)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -279,3 +280,45 @@ def test_the_readme_documents_every_column() -> None:
     documented = {m[1]: re.sub(r"\s*\([^)]*\)", "", m[2]).split(", ")
                   for m in re.finditer(r"^\| `(\w+)` \| (.+) \|$", readme, re.M)}
     assert documented == {table: [c for c, _ in cols] for table, cols in TABLES.items()}
+
+
+def test_each_table_keeps_the_newest_rows_within_the_retention(monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_supervision import _run_script
+    monkeypatch.setenv("MONARCH_TELEMETRY_RETAIN", "1000")  # the child controller's
+    child = _run_script("""
+        import json, time
+        from monarch.actor import Actor, endpoint, this_host
+        from monarch.runtime.telemetry import TABLES, now_us
+
+        class Talker(Actor):
+            @endpoint
+            def say(self, i: int) -> int:
+                print(f"line {i}", flush=True)
+                return i
+
+        with this_host().spawn_procs(per_host={"x": 1}, name="retained") as procs:
+            one = procs.spawn("talker", Talker).slice(x=0)
+            for i in range(1500):
+                one.say.call_one(i).get(timeout=30)
+            procs.sql("SELECT 1")  # loaded: from here on the database holds at most 1000 rows per table
+            for i in range(1500, 3000):
+                if i == 2000:
+                    since = now_us()
+                one.say.call_one(i).get(timeout=30)
+            deadline = time.monotonic() + 30  # output reaches the controller through the monitor
+            while not procs.sql("SELECT count(*) FROM logs WHERE text = 'line 2999'")[0][0]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            counts = {t: procs.sql(f"SELECT count(*) FROM {t}")[0][0] for t in TABLES}
+            calls = procs.sql(f"SELECT count(*), min(start_us) >= {since} FROM messages")[0]
+            lines = procs.sql("SELECT min(CAST(substr(text, 6) AS INTEGER)), max(CAST(substr(text, 6) AS INTEGER)) "
+                              "FROM logs WHERE text LIKE 'line %'")[0]
+            print("RESULT", json.dumps({"counts": counts, "calls": calls, "lines": lines}), flush=True)
+    """)
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0, out[-2000:]
+    result = json.loads(out.rsplit("RESULT ", 1)[1])
+    assert all(n <= 1000 for n in result["counts"].values()), result
+    assert result["calls"] == [1000, True]  # the newest 1000 calls: every one started after call 2000 did
+    assert result["lines"] == [2000, 2999]
+

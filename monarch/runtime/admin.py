@@ -4,8 +4,9 @@ A thread of the controller listens on loopback and announces its port and a rand
 only this user can read (`$XDG_RUNTIME_DIR` or the temp dir, `monarch/controller-<pid>.json`). A
 client sends the token first (compared in constant time before anything else is read), then one
 JSON request `{"sql": ...}`; the answer is JSON `{"columns": [...], "rows": [...], "late": [...]}` (late:
-the ranks that did not send their events within WAIT_S) or `{"error": ...}`.
-Nothing a client sends is unpickled.
+the ranks that did not send their events within WAIT_S) or `{"error": ...}`. Each connection has its
+own thread, at most MAX_CONNECTIONS at once (more are closed at once), and TOKEN_DEADLINE_S in all to
+send its token. Nothing a client sends is unpickled; the SQL is read-only (telemetry_db.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,9 @@ TOKEN_BYTES = 32
 _LEN = struct.Struct("!I")
 MAX_REQUEST = 1 << 20
 WAIT_S = 2.0  # how long a query waits for the workers' newest events; a rank busy in a long call is skipped
+MAX_CONNECTIONS = 32     # connections served at once; the next ones are closed unanswered
+TOKEN_DEADLINE_S = 1.0   # an unauthenticated connection has this long, in all, to send its token
+REQUEST_DEADLINE_S = 10.0  # and once authenticated, this long to send its request
 
 
 def announce_dir() -> Path:
@@ -40,16 +45,23 @@ def send_json(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_json(sock: socket.socket, limit: int = 1 << 30) -> Any:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+def recv_json(sock: socket.socket, limit: int = 1 << 30, deadline: float | None = None) -> Any:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
     if n > limit:
         raise ValueError(f"a message of {n} bytes is over the limit of {limit}")
-    return json.loads(_recv_exact(sock, n))
+    return json.loads(_recv_exact(sock, n, deadline))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes from `sock`; TimeoutError once `deadline` (time.monotonic) has passed, however the
+    bytes trickle in."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(buf)} of {n} bytes arrived before the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise ConnectionError("the peer closed the connection")
@@ -58,13 +70,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class AdminServer:
-    """Answers SQL from local clients that know the token, one connection at a time."""
+    """Answers SQL from local clients that know the token, each connection on its own thread."""
 
     def __init__(self) -> None:
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.path = announce_dir() / f"controller-{os.getpid()}.json"
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._queries = threading.Lock()  # one query at a time reaches the controller
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"pid": os.getpid(), "port": self.port, "token": self.token.hex()}, f)
@@ -83,18 +97,27 @@ class AdminServer:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            with conn:
-                conn.settimeout(10)
-                with suppress(OSError, ValueError, ConnectionError):
-                    self._answer(conn)
+            if not self._slots.acquire(blocking=False):  # MAX_CONNECTIONS are being served
+                conn.close()
+                continue
+            threading.Thread(target=self._session, args=(conn,), name="monarch-admin-conn", daemon=True).start()
+
+    def _session(self, conn: socket.socket) -> None:
+        try:
+            with conn, suppress(OSError, ValueError, ConnectionError):
+                self._answer(conn)
+        finally:
+            self._slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
-        if not hmac.compare_digest(_recv_exact(conn, TOKEN_BYTES), self.token):
+        token = _recv_exact(conn, TOKEN_BYTES, time.monotonic() + TOKEN_DEADLINE_S)
+        if not hmac.compare_digest(token, self.token):
             return
-        request = recv_json(conn, MAX_REQUEST)
+        request = recv_json(conn, MAX_REQUEST, time.monotonic() + REQUEST_DEADLINE_S)
         from monarch.runtime.procs import sql
         try:
-            rows = sql(str(request["sql"]), WAIT_S)
+            with self._queries:
+                rows = sql(str(request["sql"]), WAIT_S)
             send_json(conn, {"columns": rows.columns, "rows": [list(r) for r in rows], "late": rows.late})
         except Exception as e:  # noqa: BLE001 - the client shows the error
             send_json(conn, {"error": f"{type(e).__name__}: {e}"})
@@ -118,6 +141,10 @@ def query(sql: str, pid: int | None = None, timeout: float = 30.0) -> dict[str, 
         raise ConnectionError("no running monarch controller found" + (f" with pid {pid}" if pid else ""))
     info = live[0]
     with socket.create_connection(("127.0.0.1", info["port"]), timeout=timeout) as sock:
-        sock.sendall(bytes.fromhex(info["token"]))
-        send_json(sock, {"sql": sql})
-        return recv_json(sock)
+        try:
+            sock.sendall(bytes.fromhex(info["token"]))
+            send_json(sock, {"sql": sql})
+            return recv_json(sock)
+        except ConnectionError:
+            raise ConnectionError(f"controller {info['pid']} closed the connection unanswered: it serves at most "
+                                  f"{MAX_CONNECTIONS} connections at once, try again") from None
