@@ -6,6 +6,8 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,10 @@ class Echo(Actor):
     @endpoint
     def fail(self) -> None:
         raise ValueError("no")
+
+    @endpoint
+    def refuse(self) -> None:
+        raise ValueError("the answer is not 42: " + "x" * 1000)
 
     @endpoint
     def relay(self, other: Any) -> int:
@@ -322,3 +328,24 @@ def test_each_table_keeps_the_newest_rows_within_the_retention(monkeypatch: pyte
     assert result["calls"] == [1000, True]  # the newest 1000 calls: every one started after call 2000 did
     assert result["lines"] == [2000, 2999]
 
+
+def test_a_remote_error_leaves_its_message_in_failures_and_top(procs: ProcMesh) -> None:
+    from monarch.runtime import telemetry
+    with pytest.raises(monarch.ActorError):
+        procs.spawn("telemetry_refuse", Echo).slice(dp=1, tp=0).refuse.call_one().get(timeout=T)
+    [(detail,)] = procs.sql("SELECT detail FROM failures WHERE what = 'telemetry_refuse.refuse'")
+    assert detail.startswith("ValueError: the answer is not 42: xxx") and detail.endswith("...")
+    assert len(detail) == telemetry.DETAIL_CHARS and "Remote traceback" not in detail
+    out = subprocess.run([sys.executable, "-m", "monarch", "top", "--once", "--pid", str(os.getpid())],
+                         capture_output=True, text=True, timeout=T, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0 and "ValueError: the answer is not 42" in out.stdout, out.stderr
+
+
+def test_a_failed_kernel_leaves_its_message_in_failures(procs: ProcMesh) -> None:
+    x = monarch.distribute_tensor(torch.randn(4, 3), procs, {"dp": Shard(0)})
+    bad = monarch.distribute_tensor(torch.tensor([0, 99]), procs)
+    since = now_us()
+    with pytest.raises(monarch.RemoteError):
+        (torch.index_select(x, 1, bad) * 2).sum().item()
+    details = [d for (d,) in procs.sql(f"SELECT detail FROM failures WHERE time_us >= {since}")]
+    assert details and all("index_select" in d and "out of" in d for d in details), details

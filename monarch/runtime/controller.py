@@ -29,7 +29,7 @@ from monarch.runtime.commands import (CONTROLLER, LAUNCHER, Call, Forward, Hello
 from monarch.runtime.futures import CallState
 from monarch.runtime.poller import Poller
 from monarch.runtime.shape import Shape
-from monarch.runtime.telemetry import RECORDER, Events, now_us, output_lines
+from monarch.runtime.telemetry import RECORDER, Events, error_text, now_us, output_lines
 from monarch.runtime.telemetry_db import STORE
 
 log = logging.getLogger("monarch.controller")
@@ -406,7 +406,8 @@ class Controller:
         if kind is Reply:
             sink = mesh.pending.get((msg.reply_to, msg.call_id))
             if not msg.ok and RECORDER.on:
-                RECORDER.add("failures", (msg.rank, mesh.name, "remote error", getattr(sink, "what", ""), "", now_us()))
+                RECORDER.add("failures", (msg.rank, mesh.name, "remote error", getattr(sink, "what", ""),
+                                          error_text(msg.value), now_us()))
             if sink is not None:
                 sink.deliver(msg.rank, msg.ok, msg.value)
                 if sink.done:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from monarch import config
+from monarch.errors import ActorError, RemoteError
 
 TABLES: dict[str, tuple[tuple[str, str], ...]] = {
     "procs": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("pid", "INTEGER"), ("host", "VARCHAR"),
@@ -42,6 +43,7 @@ WORKER_TABLES = ("messages", "ops", "collectives", "memory", "logs")  # recorded
 BATCH = 4096        # a worker ships its events unasked once it holds this many
 MEMORY_EVERY_S = 1.0  # a busy worker samples its memory this often (and whenever it ships events)
 LIMIT = 1_000_000   # events a process keeps before it drops the oldest half of a table
+DETAIL_CHARS = 500  # the failures table keeps this much of a remote error's message
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,22 @@ def cuda_bytes() -> tuple[int, int]:
     devices = range(torch.cuda.device_count())
     return (sum(int(torch.cuda.memory_allocated(d)) for d in devices),
             sum(int(torch.cuda.memory_reserved(d)) for d in devices))
+
+
+def error_text(payload: bytes) -> str:
+    """A pickled remote error as a failures row's detail: its type and message, without the remote
+    traceback and the hints of an ActorError, cut to DETAIL_CHARS."""
+    from monarch.runtime import codec
+    try:
+        e = codec.loads(payload)
+    except Exception as x:  # noqa: BLE001 - an error that does not unpickle here is still a failure
+        return f"(the error did not unpickle on the controller: {type(x).__name__}: {x})"[:DETAIL_CHARS]
+    text = str(e).partition("\n\nRemote traceback:")[0]
+    if isinstance(e, ActorError):  # "Type: message\n  raised by <endpoint> on rank <r> ...; hints"
+        text = text.partition("\n  raised by ")[0]
+    elif not isinstance(e, RemoteError):
+        text = f"{type(e).__name__}: {text}"
+    return text if len(text) <= DETAIL_CHARS else text[:DETAIL_CHARS - 3] + "..."
 
 
 def output_lines(shape: Any, stream: str, text: str) -> Events:
