@@ -17,6 +17,7 @@ import torch
 from monarch import config
 from monarch.graph.decompose import decomposition
 from monarch.graph.partition import RankProgram, partition
+from monarch.graph.rules import writes_first_arg
 from monarch.graph.trace import TracedGraph, Tracer
 from monarch.errors import TraceError
 from monarch.runtime import codec
@@ -53,6 +54,8 @@ class Session:
 
     # -- Backend ---------------------------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if _generator(func, args, kwargs) is not None:
+            return self._with_generator(func, args, kwargs)
         parts = decomposition(func)
         if parts is not None:
             return parts(*args, **kwargs)
@@ -63,6 +66,20 @@ class Session:
         if self.tracer.n_ops >= self.flush_ops and not self.capturing:
             self.flush()
         return out
+
+    def _with_generator(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op given the user's torch.Generator runs here, on the fetched inputs, with that generator: its
+        numbers and the generator's state are plain torch's. The result is replicated; an in-place op (whose
+        target's values are never read) fills a blank tensor of the target's layout and copies it in."""
+        if self.capturing:
+            raise TraceError(f"{func.name()} with generator= inside a monarch.compile'd step would draw once, "
+                             "while the step is recorded; draw outside the step and pass the tensor in, or drop "
+                             "generator= to draw from monarch.manual_seed's stream")
+        if not writes_first_arg(func):
+            return self.tracer._constants(func(*_on_controller(args), **_on_controller(kwargs)))
+        target = args[0]
+        blank = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype)
+        return target.copy_(func(blank, *_on_controller(args[1:]), **_on_controller(kwargs)))
 
     def redistribute(self, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
         if placements == t._spec.placements:
@@ -132,6 +149,20 @@ class Session:
         future = self.flush(sync=True)
         assert future is not None
         future.get(timeout)
+
+
+def _generator(func: Any, args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The torch.Generator an op was given (by keyword, or by position as torch.poisson's)."""
+    slot = _generator_slot(func)
+    if slot is None:
+        return None
+    i, name = slot
+    return args[i] if i < len(args) else kwargs.get(name)
+
+
+@functools.cache
+def _generator_slot(func: Any) -> tuple[int, str] | None:
+    return next(((i, a.name) for i, a in enumerate(func._schema.arguments) if "Generator" in str(a.type)), None)
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from monarch.errors import ShardingError
 from monarch.graph.partition import outline, partition
 from monarch.graph.rules import Emit
-from monarch.runtime import codec
+from monarch.runtime import codec, kernels
 from monarch.runtime.futures import Future
 from monarch.runtime.session import Session, all_sessions, session_of
 from monarch.tensor.instr import Buf, Local
@@ -31,7 +31,7 @@ PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
 def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placements: PlacementsArg,
              make: Callable[[Emit, Spec], Local], what: str) -> MeshTensor:
     s = session_of(procs)
-    shape = tuple(int(n) for n in (shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape))
+    shape = _dims(shape)
     dtype = dtype or torch.get_default_dtype()
     ps = normalize(placements, s.abstract.names, len(shape), what)
     if any(isinstance(p, Partial) for p in ps):
@@ -40,6 +40,11 @@ def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placem
     spec = Spec(shape, tuple(meta.stride()), dtype, ps, s.abstract)
     node, ids = s.tracer.node(FACTORIES[what], (), (spec,), lambda ctx: [make(ctx, spec)])
     return s.tracer.wrap(spec, node, ids[0])
+
+
+def _dims(shape: Sequence[Any]) -> tuple[int, ...]:
+    """A factory's shape, given as sizes or as one tuple or list of them."""
+    return tuple(int(n) for n in (shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape))
 
 
 def full(*shape: Any, fill_value: float, mesh: Any, placements: PlacementsArg = None,
@@ -66,7 +71,12 @@ def empty(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch
 
 
 def _random(kind: str, shape: Sequence[Any], mesh: Any, placements: PlacementsArg, dtype: torch.dtype | None,
-            **kw: Any) -> MeshTensor:
+            generator: torch.Generator | None, **kw: Any) -> MeshTensor:
+    """Drawn from monarch.manual_seed's stream on the workers; or, given the user's `generator`, drawn
+    with it here (the numbers and generator state plain torch gives) and distributed."""
+    if generator is not None:
+        data = kernels.RANDOM[kind](_dims(shape), generator, dtype=dtype or torch.get_default_dtype(), **kw)
+        return distribute_tensor(data, mesh, placements)
     seed = next_seed()
 
     def make(ctx: Emit, spec: Spec) -> Local:
@@ -75,17 +85,19 @@ def _random(kind: str, shape: Sequence[Any], mesh: Any, placements: PlacementsAr
     return _factory(mesh, shape, dtype, placements, make, kind)
 
 
-def randn(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None) -> MeshTensor:
-    return _random("randn", shape, mesh, placements, dtype)
+def randn(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
+          generator: torch.Generator | None = None) -> MeshTensor:
+    return _random("randn", shape, mesh, placements, dtype, generator)
 
 
-def rand(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None) -> MeshTensor:
-    return _random("rand", shape, mesh, placements, dtype)
+def rand(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
+         generator: torch.Generator | None = None) -> MeshTensor:
+    return _random("rand", shape, mesh, placements, dtype, generator)
 
 
 def randint(low: int, high: int, shape: Sequence[int], *, mesh: Any, placements: PlacementsArg = None,
-            dtype: torch.dtype | None = None) -> MeshTensor:
-    return _random("randint", shape, mesh, placements, dtype or torch.int64, low=low, high=high)
+            dtype: torch.dtype | None = None, generator: torch.Generator | None = None) -> MeshTensor:
+    return _random("randint", shape, mesh, placements, dtype or torch.int64, generator, low=low, high=high)
 
 
 def arange(start: float, end: float | None = None, step: float = 1, *, mesh: Any, placements: PlacementsArg = None,
@@ -168,8 +180,10 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
 
 
 class _Factories(TorchFunctionMode):
-    """Inside `procs.activate()`: plain torch factories create replicated MeshTensors on procs."""
+    """Inside `procs.activate()`: plain torch factories create replicated MeshTensors on procs. Given a
+    `generator=`, a random factory draws with it here, exactly as plain torch does, and distributes that."""
     NAMES = {torch.randn: randn, torch.rand: rand, torch.zeros: zeros, torch.ones: ones, torch.empty: empty}
+    RANDOM = (torch.randn, torch.rand, torch.randint)
 
     def __init__(self, procs: Any) -> None:
         super().__init__()
@@ -178,8 +192,11 @@ class _Factories(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
         if kwargs.get("device") is None and kwargs.get("out") is None:
+            if kwargs.get("generator") is not None:
+                return distribute_tensor(func(*args, **kwargs), self.procs) if func in self.RANDOM else \
+                    func(*args, **kwargs)
             mine = self.NAMES.get(func)
-            if mine is not None and not kwargs.get("generator"):
+            if mine is not None:
                 return mine(*args, mesh=self.procs, dtype=kwargs.get("dtype"))
             if func is torch.full:
                 return full(*args[0], fill_value=args[1] if len(args) > 1 else kwargs["fill_value"],
@@ -187,7 +204,8 @@ class _Factories(TorchFunctionMode):
             if func is torch.arange:
                 return arange(*args, mesh=self.procs, dtype=kwargs.get("dtype"))
             if func is torch.randint:
-                return randint(*args, mesh=self.procs, dtype=kwargs.get("dtype"))
+                *bounds, size = args  # randint(high, size) or randint(low, high, size)
+                return randint(*([0] * (2 - len(bounds)) + bounds), size, mesh=self.procs, dtype=kwargs.get("dtype"))
         return func(*args, **kwargs)
 
 
