@@ -1,4 +1,5 @@
-"""Module-level parallelism on a mesh: `parallelize_module` with its styles, `data_parallel`, `full_state_dict`.
+"""Module-level parallelism on a mesh: `parallelize_module` with its styles, `data_parallel`, `full_state_dict`
+(and a load_state_dict pre-hook that gathers MeshTensors of another mesh before they are copied in).
 
 Parameters and buffers become MeshTensors in place (an nn.Parameter keeps wrapping each one), so
 autograd, optimizers and `state_dict()` work unchanged. A style (as in PyTorch's tensor parallel API,
@@ -21,6 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 from monarch.errors import MeshError, ShardingError
 from monarch.runtime.futures import Future
+from monarch.runtime.checkpoint import on_mesh_of
 from monarch.runtime.session import session_of
 from monarch.runtime.tensors import distribute_tensor, fetch
 from monarch.tensor.meshtensor import MeshTensor
@@ -205,6 +207,18 @@ def _adopt(module: nn.Module, mesh: Any, dims: dict[str, Placement], memo: Memo)
                 _place(sub, pname, _qualname(mname, pname), mesh, dims, memo)
             else:
                 _check_mesh(t, mesh, _qualname(mname, pname))
+    if not getattr(module, "_monarch_loads", False):
+        module.register_load_state_dict_pre_hook(_gather_foreign)
+        module._monarch_loads = True
+
+
+def _gather_foreign(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """load_state_dict pre-hook: a MeshTensor value not on its target's mesh is gathered first (copy_ then
+    places it like the target; the optimizer's counterpart is monarch.runtime.checkpoint)."""
+    for name, target in module.state_dict(keep_vars=True).items():
+        value = state_dict.get(prefix + name)
+        if isinstance(value, MeshTensor) and not on_mesh_of(value, target):
+            state_dict[prefix + name] = value.full_tensor()
 
 
 def _place(module: nn.Module, pname: str, qualname: str, mesh: Any, dims: dict[str, Placement], memo: Memo) -> None:

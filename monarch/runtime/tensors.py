@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from monarch.errors import ShardingError
 from monarch.graph.partition import outline, partition
 from monarch.graph.rules import Emit
-from monarch.runtime import codec, kernels
+from monarch.runtime import checkpoint, codec, kernels
 from monarch.runtime.futures import Future
 from monarch.runtime.session import Session, all_sessions, session_of
 from monarch.tensor.instr import Buf, Local
@@ -26,6 +26,7 @@ from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec
 
 PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
+checkpoint.install()  # Optimizer.load_state_dict places state like its MeshTensor parameter
 
 
 def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placements: PlacementsArg,
