@@ -1,7 +1,8 @@
 """Bytes on the control plane: the authentication handshake, length-prefixed frames and payload pickling.
 
 A connection opens with a fixed-size raw header (magic, mesh id, role, rank, token) that is checked
-before anything is decoded; then frames of `!I` length + a pickled list of messages follow. User payloads
+before anything is decoded; then frames of `!I` length + a pickled list of messages follow, at most
+MONARCH_MAX_FRAME bytes (a receiver drops a connection that sends more, so senders refuse). User payloads
 use plain pickle when they are plain data and cloudpickle otherwise (classes defined in `__main__`).
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ import hmac
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 
@@ -55,6 +56,40 @@ def encode_frame(messages: list[Any]) -> bytes:
     """One frame carrying many messages."""
     body = pickle.dumps(messages, protocol=5)
     return _LEN.pack(len(body)) + body
+
+
+def fits(frame: bytes, limit: int) -> bool:
+    """Whether a receiver whose MONARCH_MAX_FRAME is `limit` accepts this encoded frame."""
+    return len(frame) - _LEN.size <= limit
+
+
+def too_large(what: str, frame: bytes, limit: int) -> TransportError:
+    """The error of a frame the sender refuses (the receiver would drop the connection)."""
+    return TransportError(
+        f"{what} is {len(frame) - _LEN.size} bytes, over the control-plane frame limit of {limit} bytes "
+        "(MONARCH_MAX_FRAME), so it was not sent; the mesh keeps working. Keep large data out of pickled "
+        "arguments and return values: hold tensors on the mesh as MeshTensors (monarch.distribute_tensor, "
+        "the monarch factories) and fetch only what you need (monarch.fetch, .full_tensor() of a slice), or "
+        "raise MONARCH_MAX_FRAME for the controller and its workers alike")
+
+
+def encode_frames(messages: list[Any], limit: int, refuse: Callable[[Any, bytes], Any]) -> bytes:
+    """`messages` as frames a receiver with `limit` accepts: one frame when they fit together, else one
+    frame per message, where a message too large alone is replaced by `refuse(message, its frame)` (or
+    dropped when that gives None)."""
+    frame = encode_frame(messages)
+    if fits(frame, limit):
+        return frame
+    frames = []
+    for msg in messages:
+        one = encode_frame([msg])
+        if not fits(one, limit):
+            msg = refuse(msg, one)
+            if msg is None:
+                continue
+            one = encode_frame([msg])
+        frames.append(one)
+    return b"".join(frames)
 
 
 class FrameReader:

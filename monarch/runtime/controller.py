@@ -100,8 +100,13 @@ class ForwardSink:
         if rank in self.missing:
             self.missing.discard(rank)
             value = payload if isinstance(payload, bytes) else codec.dumps(payload)
+            frame = codec.encode_frame([Reply(self.call.call_id, self.call.reply_to, rank, ok, value)])
+            limit = self.source.mesh.max_frame if self.source.mesh else config.max_frame()
+            if not codec.fits(frame, limit):
+                err = codec.too_large(f"the reply of rank {rank} to {self.call.actor}.{self.call.endpoint}", frame, limit)
+                frame = codec.encode_frame([Reply(self.call.call_id, self.call.reply_to, rank, False, codec.dumps(err))])
             with suppress(OSError):  # the calling worker is gone; its own supervision reports that
-                self.source.send(codec.encode_frame([Reply(self.call.call_id, self.call.reply_to, rank, ok, value)]))
+                self.source.send(frame)
 
     def fail_missing(self, exc: BaseException) -> None:
         for r in sorted(self.missing):
@@ -146,6 +151,7 @@ class Mesh:
         self.lost: dict[int, float] = {}  # rank -> deadline for its monitor's exit report
         self.stderr_tail: deque[str] = deque(maxlen=40)
         self.frames = 0  # frames sent to its workers (one per worker per flush or compiled step)
+        self.max_frame = config.max_frame()  # its workers inherit the flag: the largest frame they accept
 
     def coords(self, rank: int) -> str:
         return self.shape.point(rank).label() if 0 <= rank < len(self.shape) else "?"
@@ -189,6 +195,8 @@ class Controller:
 
     def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None:
         mesh = self.mesh(mesh_id)
+        frame = codec.encode_frame([call])
+        self.check_frame(mesh, frame, f"a call of {call.actor}.{call.endpoint} (with its pickled arguments)")
         if state is not None:
             mesh.pending[(CONTROLLER, call.call_id)] = state
         if mesh.failure is not None or mesh.stopping:
@@ -197,7 +205,7 @@ class Controller:
                 raise err
             state.fail_missing(err)
             return
-        self.fan_out(mesh, shape, codec.encode_frame([call]))
+        self.fan_out(mesh, shape, frame)
 
     def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
         self._poller.drive(lambda: len(state.arrived) >= arrived, deadline)
@@ -214,8 +222,14 @@ class Controller:
             raise MeshError(f"proc mesh {mesh_id} does not exist in this controller (stopped, or from "
                             "another process)") from None
 
-    def fan_out(self, mesh: Mesh, shape: Shape, frame: bytes) -> None:
+    def check_frame(self, mesh: Mesh, frame: bytes, what: str) -> None:
+        """Raise TransportError, before anything is sent, when the workers of `mesh` would refuse `frame`."""
+        if not codec.fits(frame, mesh.max_frame):
+            raise codec.too_large(what, frame, mesh.max_frame)
+
+    def fan_out(self, mesh: Mesh, shape: Shape, frame: bytes, what: str = "a message") -> None:
         """Send one encoded frame to every rank of `shape`; a failed send marks the rank lost."""
+        self.check_frame(mesh, frame, what)
         for r in shape.ranks():
             self._send_rank(mesh, r, frame)
 
@@ -228,6 +242,8 @@ class Controller:
                 raise err
             state.fail_missing(err)
             return
+        for r, frame in frames.items():
+            self.check_frame(mesh, frame, f"the tensor program for rank {r}")
         if state is not None:
             mesh.pending[(CONTROLLER, call_id)] = state
         for r, frame in frames.items():
@@ -437,9 +453,18 @@ class Controller:
                 sink.fail_missing(target.failure if target and target.failure else
                                   SupervisionError(f"mesh {msg.mesh_id} is stopped"))
             return
+        frame = codec.encode_frame([call])
+        try:
+            self.check_frame(target, frame, f"a call of {call.actor}.{call.endpoint} from {call.sender}")
+        except TransportError as e:
+            if call.want_reply:
+                sink.fail_missing(e)
+            else:
+                log.warning("monarch controller: dropped a broadcast: %s", e)
+            return
         if call.want_reply:
             target.pending[(source.addr, call.call_id)] = sink
-        self.fan_out(target, msg.shape, codec.encode_frame([call]))
+        self.fan_out(target, msg.shape, frame)
 
     def _peer_closed(self, conn: Conn) -> None:
         self._close(conn)

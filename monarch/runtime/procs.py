@@ -142,8 +142,9 @@ class ProcMesh(MeshView):
         msg = SpawnActor(name, codec.dumps(actor_cls), codec.dumps((args, kwargs)), self._shape)
         if not self._mesh.live:
             raise self._mesh.failure or SupervisionError(f"proc mesh {self.name!r} is stopped; spawn a new one")
+        controller().fan_out(self._mesh, self._shape, codec.encode_frame([msg]),
+                             f"spawning {name!r} (the pickled class and constructor arguments)")
         self._mesh.actors.add(name)
-        controller().fan_out(self._mesh, self._shape, codec.encode_frame([msg]))
         now = now_us()
         for r in self._shape.ranks():
             RECORDER.add("actors", (r, self.name, name, actor_cls.__name__, now))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,13 +19,13 @@ from monarch.graph.decompose import decomposition
 from monarch.graph.partition import RankProgram, partition
 from monarch.graph.rules import writes_first_arg
 from monarch.graph.trace import TracedGraph, Tracer
-from monarch.errors import TraceError
+from monarch.errors import TraceError, TransportError
 from monarch.runtime import codec
 from monarch.runtime.commands import InvokeProgram
 from monarch.runtime.controller import controller
 from monarch.runtime.futures import CallState, Future
 from monarch.runtime.lower import lower, lower_install
-from monarch.tensor.instr import Comm, Start
+from monarch.tensor.instr import Comm, Local, Start
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
 from monarch.tensor.spec import AbstractMesh, Spec
@@ -112,11 +112,37 @@ class Session:
         self._count(programs)
         ctl = controller()
         call_id = ctl.next_call_id() if sync else 0
-        msgs = lower(programs, self.view, call_id, fetch.sources() if fetch else None)
+        refused: list[TransportError] = []
+        pieces = self._frames(programs, call_id, fetch, refused)
         state = CallState(self.view, f"tensor program on {self.mesh!r}") if sync else None
-        ctl.send_each(self.mesh._mesh.id, {r: codec.encode_frame([m]) for r, m in msgs.items()}, call_id, state)
+        for frames in pieces[:-1]:
+            ctl.send_each(self.mesh._mesh.id, frames, 0, None)
+        ctl.send_each(self.mesh._mesh.id, pieces[-1], call_id, state)
         self.flushes += 1
+        if refused:
+            raise refused[0]
         return Future(state, ctl, fetch.assemble if fetch else _synced) if state is not None else None
+
+    def _frames(self, programs: tuple[RankProgram, ...], call_id: int, fetch: Fetch | None,
+                refused: list[TransportError]) -> list[dict[int, bytes]]:
+        """Each rank's frame, or, when one is over MONARCH_MAX_FRAME, the programs cut into consecutive
+        pieces that fit (the last one replies). An instruction too large alone (a constant's data) is not
+        sent: it poisons its outputs with the error, which `refused` gets too."""
+        limit = self.mesh._mesh.max_frame
+        msgs = lower(programs, self.view, call_id, fetch.sources() if fetch else None)
+        frames = {r: codec.encode_frame([m]) for r, m in msgs.items()}
+        big = max(frames.values(), key=len)
+        if codec.fits(big, limit):
+            return [frames]
+        if len(programs[0].instrs) > 1:
+            mid = len(programs[0].instrs) // 2
+            return (self._frames(_cut(programs, 0, mid), 0, None, refused)
+                    + self._frames(_cut(programs, mid, None), call_id, fetch, refused))
+        ins = programs[0].instrs[0]
+        assert isinstance(ins, Local), f"{ins!r} alone is over MONARCH_MAX_FRAME={limit}"
+        refused.append(codec.too_large(f"the data of {ins.op} (a tensor of this program for one rank)", big, limit))
+        refusal = Local("aten::_assert_scalar", (False, str(refused[-1])), {}, ins.outs)
+        return self._frames(tuple(replace(p, instrs=(refusal,)) for p in programs), call_id, fetch, refused)
 
     def invoke(self, pid: int, install: tuple[RankProgram, ...] | None, inputs: tuple[tuple[int, int], ...],
                outputs: tuple[tuple[int, int], ...], feeds: tuple[tuple[int, Any], ...],
@@ -179,6 +205,11 @@ def _on_controller(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _on_controller(v) for k, v in obj.items()}
     return obj
+
+
+def _cut(programs: tuple[RankProgram, ...], start: int, stop: int | None) -> tuple[RankProgram, ...]:
+    """Instructions start..stop of every rank program (run one after the other, they do what all of it does)."""
+    return tuple(replace(p, instrs=p.instrs[start:stop]) for p in programs)
 
 
 def _synced(state: CallState) -> None:

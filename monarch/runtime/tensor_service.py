@@ -75,6 +75,8 @@ class TensorService:
             value: Any = self.engine.fetch(msg.fetch)
         except Exception as e:  # noqa: BLE001 - a remote error is the reply
             return False, codec.dumps(e)
+        if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
+            value = value.clone()  # a view (a slice) would pickle its whole base tensor
         return True, codec.dumps_data(value)
 
 

@@ -36,7 +36,8 @@ class Worker:
     def __init__(self, sock: socket.socket, rank: int) -> None:
         self.sock = sock
         self.rank = rank
-        self._reader = codec.FrameReader(config.max_frame())
+        self._max_frame = config.max_frame()  # the controller's limit too (the workers inherit the flag)
+        self._reader = codec.FrameReader(self._max_frame)
         self._inbox: deque[Any] = deque()
         self._outbox: list[Any] = []
         self._actors: dict[str, HostedActor] = {}
@@ -127,12 +128,28 @@ class Worker:
         if RECORDER.count >= BATCH:
             self._outbox.append(self._events())
         if self._outbox:
-            frame, self._outbox = codec.encode_frame(self._outbox), []
+            frame, self._outbox = codec.encode_frames(self._outbox, self._max_frame, self._refuse), []
             self.sock.sendall(frame)
         if self._ran:
             self._record_calls()
         if RECORDER.on and time.monotonic() >= self._sampled + MEMORY_EVERY_S:
             self._sample_memory()
+
+    def _refuse(self, msg: Any, frame: bytes) -> Any:
+        """What goes instead of a message over MONARCH_MAX_FRAME: a reply becomes the error; a forwarded call
+        fails here (the calling actor's get() raises it); telemetry events are dropped."""
+        kind = type(msg)
+        what = (f"a call of {msg.call.actor}.{msg.call.endpoint} from rank {self.rank}" if kind is Forward
+                else f"the {'reply' if kind is Reply else kind.__name__} of rank {self.rank}")
+        err = codec.too_large(what, frame, self._max_frame)
+        if kind is Reply:
+            return Reply(msg.call_id, msg.reply_to, msg.rank, False, codec.dumps(err))
+        state = self._pending.pop(msg.call.call_id, None) if kind is Forward else None
+        if state is not None:
+            state.fail_missing(err)
+        else:
+            print(f"monarch worker: dropped {err}", file=sys.stderr)
+        return None
 
     def _record_calls(self) -> None:
         for msg, start, end, ok in self._ran:
