@@ -26,7 +26,7 @@ from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec
 
 PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
-checkpoint.install()  # Optimizer.load_state_dict places state like its MeshTensor parameter
+checkpoint.install()  # optimizers load state like its MeshTensor parameter; torch.save refuses MeshTensors
 
 
 def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placements: PlacementsArg,

@@ -108,8 +108,10 @@ class MeshTensor(torch.Tensor):
         return self.full_tensor().__format__(spec)
 
     def __reduce_ex__(self, proto: Any) -> Any:
-        raise ShardingError("a MeshTensor cannot be pickled; call .full_tensor() to get its data, or pass it "
-                            "to a compiled function instead of an actor endpoint")
+        raise ShardingError("a MeshTensor cannot be pickled (its data lives on the workers); call .full_tensor() "
+                            "to get its data, save monarch.full_state_dict(model or optimizer) rather than a "
+                            "state_dict() of MeshTensors, or pass it to a compiled function instead of an actor "
+                            "endpoint")
 
 
 class _Redistribute(torch.autograd.Function):
