@@ -33,8 +33,10 @@ def test_host_meshes_have_a_hosts_dim() -> None:
         this_host().spawn_procs(per_host={"hosts": 2})
 
 
-def test_worker_env_carries_the_token_and_our_import_path() -> None:
-    env = launch.worker_env(b"\x01\x02", {"PYTHONPATH": "/extra", "FOO": "1"})
-    assert env[TOKEN_ENV] == "0102" and env["FOO"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+def test_worker_env_carries_our_import_path_and_no_token_on_this_host() -> None:
+    handover = launch.TokenHandover(b"\x01\x02", 1, local=True)
+    env = launch.worker_env({"PYTHONPATH": "/extra", "FOO": "1"}, handover)
+    handover.remove()
+    assert TOKEN_ENV not in env and env["FOO"] == "1" and env["PYTHONUNBUFFERED"] == "1"
     path = env["PYTHONPATH"].split(":")
     assert path[0] == "/extra" and launch._PACKAGE_ROOT in path

@@ -2,7 +2,9 @@
 
 The process mpiexec starts forks. The child becomes the worker (it joins MPI and serves the control
 plane); the parent stays a small monitor that prefixes the child's output with its mesh coordinates and,
-if the child dies abnormally, reports the exit status to the controller before exiting with it.
+if the child dies abnormally, reports the exit status to the controller before exiting with it. The mesh
+token comes from this rank's token file (`--token-dir`, read and deleted at once), never from the
+environment on this host; only a rank on another host than the controller's gets it by environment.
 """
 from __future__ import annotations
 
@@ -21,14 +23,14 @@ from monarch.runtime.codec import ROLE_MONITOR, ROLE_WORKER, Header, encode_fram
 from monarch.runtime.commands import Hello, ProcExit
 from monarch.runtime.shape import Shape
 
-TOKEN_ENV = "MONARCH_WORKER_TOKEN"
+TOKEN_ENV = "MONARCH_WORKER_TOKEN"  # how ranks on other hosts than the controller's get the token, for now
 _RANK_ENVS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 OWNER_CHECK_S = 1.0  # how often a monitor looks for its controller while the worker is quiet
 
 
 @dataclass(frozen=True)
 class Launch:
-    """What the controller told this process on its command line (the token comes by environment)."""
+    """What the controller told this process on its command line (and the token, from its file)."""
     host: str
     port: int
     mesh_id: int
@@ -65,13 +67,31 @@ def parse(argv: list[str]) -> Launch:
     p.add_argument("--mesh-id", type=int, required=True)
     p.add_argument("--dims", required=True, help="mesh dims, e.g. dp=2,tp=2")
     p.add_argument("--owner", type=int, default=0, help="pid of the controller; the worker dies with it")
+    p.add_argument("--token-dir", default="", help="directory of the mesh's token files, one per rank")
     a = p.parse_args(argv)
     host, port = a.controller.rsplit(":", 1)
     dims = [d.split("=") for d in a.dims.split(",") if d]
     shape = Shape.row_major(tuple(k for k, _ in dims), tuple(int(v) for _, v in dims))
-    token = bytes.fromhex(os.environ.pop(TOKEN_ENV, ""))
     rank = next((int(os.environ[k]) for k in _RANK_ENVS if k in os.environ), 0)
+    token = take_token(token_file(a.token_dir, rank)) if a.token_dir else bytes.fromhex(os.environ.pop(TOKEN_ENV, ""))
     return Launch(host, int(port), a.mesh_id, shape, token, rank, a.owner)
+
+
+def token_file(directory: str, rank: int) -> str:
+    """Where rank `rank` finds the mesh token (written by the controller, see launch.TokenHandover)."""
+    return os.path.join(directory, f"rank-{rank}")
+
+
+def take_token(path: str) -> bytes:
+    """Read this rank's token file and delete it, so that the token is nowhere on disk once we started."""
+    try:
+        with open(path) as f:
+            token = bytes.fromhex(f.read())
+        os.unlink(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"monarch worker: cannot take the mesh token from {path}: {e} (it is written by the "
+                         "controller for one start of this rank, and deleted by it)") from None
+    return token
 
 
 def start(argv: list[str]) -> Boot:

@@ -273,19 +273,23 @@ class Controller:
         mesh = Mesh(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES))
         address = self.listen(bind) if bind else self.address
         cmd = launch.command(launch.find_mpiexec(), shape, hosts, address, mesh.id)
+        handover = launch.TokenHandover(mesh.token, len(shape), launch.all_local(hosts))
+        cmd += handover.args
         log.debug("spawning mesh %r (id %d): %s", name, mesh.id, " ".join(cmd))
         self.meshes[mesh.id] = mesh
         try:
-            mesh.proc = launch.start(cmd, launch.worker_env(mesh.token, env))
+            mesh.proc = launch.start(cmd, launch.worker_env(env, handover))
+            assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
+            out, err = mesh.proc.stdout, mesh.proc.stderr
+            self._poller.watch(out.fileno(), lambda: self._output(mesh, out, sys.stdout))
+            self._poller.watch(err.fileno(), lambda: self._output(mesh, err, sys.stderr))
+            timeout = config.spawn_timeout()
+            self._poller.drive(mesh.settled.is_set, time.monotonic() + timeout)
         except SpawnError:
             del self.meshes[mesh.id]
             raise
-        assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
-        out, err = mesh.proc.stdout, mesh.proc.stderr
-        self._poller.watch(out.fileno(), lambda: self._output(mesh, out, sys.stdout))
-        self._poller.watch(err.fileno(), lambda: self._output(mesh, err, sys.stderr))
-        timeout = config.spawn_timeout()
-        self._poller.drive(mesh.settled.is_set, time.monotonic() + timeout)
+        finally:
+            handover.remove()  # every worker took its token file by now, or the spawn failed
         if not mesh.settled.is_set() or mesh.failure is not None:
             why = mesh.failure or f"not every worker connected within {timeout} s (MONARCH_SPAWN_TIMEOUT)"
             self.stop(mesh, grace=0.5)

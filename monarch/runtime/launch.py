@@ -1,21 +1,24 @@
 """Starting and stopping the MPI job that hosts a proc mesh (controller side).
 
 Finds the pip-installed MPICH `mpiexec` (never a system one of another MPI), builds the command line,
-starts it in its own process group with the worker environment, and tears the group down.
+hands the mesh token over (`TokenHandover`), starts the job in its own process group with the worker
+environment, and tears the group down.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from contextlib import suppress
 from pathlib import Path
 
 from monarch import config
 from monarch.errors import SpawnError
-from monarch.runtime.bootstrap import TOKEN_ENV
+from monarch.runtime.bootstrap import TOKEN_ENV, token_file
 from monarch.runtime.shape import Shape
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -50,11 +53,39 @@ def command(mpiexec: str, shape: Shape, hosts: list[str], control: str, mesh_id:
                   "--mesh-id", str(mesh_id), "--dims", dims, "--owner", str(os.getpid())]
 
 
-def worker_env(token: bytes, extra: dict[str, str] | None) -> dict[str, str]:
-    """This process's environment plus `extra`; workers import from the same paths as the controller."""
+class TokenHandover:
+    """How a mesh's token reaches its workers. On this host: one file per rank (0600, in a fresh 0700
+    directory), named by `--token-dir` on the command line; each worker reads and deletes its own file at
+    start, and `remove()` deletes whatever is left once the mesh has settled, failed to spawn or stopped,
+    so the token is in no process's environment (/proc/<pid>/environ) and, after start-up, on no disk.
+    Ranks on other hosts cannot read this host's files: for a mesh with other hosts the token goes in
+    the environment (TOKEN_ENV) of mpiexec and the workers, until the cluster launch hands it over."""
+
+    def __init__(self, token: bytes, ranks: int, local: bool) -> None:
+        self.dir = tempfile.mkdtemp(prefix="monarch-token-") if local else ""
+        self.env = {} if local else {TOKEN_ENV: token.hex()}
+        for r in range(ranks if local else 0):
+            fd = os.open(token_file(self.dir, r), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token.hex())
+
+    @property
+    def args(self) -> list[str]:
+        """The worker's command-line arguments that say where its token is."""
+        return ["--token-dir", self.dir] if self.dir else []
+
+    def remove(self) -> None:
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def worker_env(extra: dict[str, str] | None, handover: TokenHandover) -> dict[str, str]:
+    """This process's environment plus `extra` and what the token handover needs (nothing on this host);
+    workers import from the same paths as the controller."""
     env = dict(os.environ)
     env.update(extra or {})
-    env[TOKEN_ENV] = token.hex()
+    env.pop(TOKEN_ENV, None)
+    env.update(handover.env)
     env["PYTHONUNBUFFERED"] = "1"
     ours = [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
     path = [(extra or {}).get("PYTHONPATH", ""), _PACKAGE_ROOT, *ours, os.environ.get("PYTHONPATH", "")]
