@@ -1,8 +1,9 @@
 """Control-plane messages: frozen dataclasses, the only things that travel between processes.
 
-Controller -> worker: SpawnActor, Call, RunProgram, Stop, Supervise. Worker -> controller: Hello,
-Reply, Forward. Monitor -> controller: ProcExit. Payloads a user supplies (classes, arguments, return values)
-stay opaque bytes so that one bad payload fails one call, never the connection.
+Controller -> worker: SpawnActor, Call, RunProgram, Stop, Supervise, Heartbeat. Worker -> controller:
+Hello, Reply, Forward, and empty frames as heartbeats. Monitor -> controller: ProcExit. Payloads a user
+supplies (classes, arguments, return values) stay opaque bytes so that one bad payload fails one call,
+never the connection.
 """
 from __future__ import annotations
 
@@ -103,6 +104,12 @@ class InvokeProgram:
 class ShipTelemetry:
     """Send the telemetry events recorded since the last batch, as the value of a Reply to `call_id`."""
     call_id: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Send a frame (an empty one if nothing else) whenever nothing was sent for `every` seconds (0: stop)."""
+    every: float
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 One background thread polls every socket and pipe (epoll): it authenticates new connections, delivers
 replies to CallStates, forwards actor-to-actor calls, copies worker output to this process's stdout and
-stderr, and fails every pending call of a mesh whose worker died. User threads send directly.
+stderr, and fails every pending call of a mesh whose worker died or went silent (heartbeat.py). User
+threads send directly.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ from typing import Any
 
 from monarch import config
 from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
-from monarch.runtime import codec, launch
-from monarch.runtime.commands import (CONTROLLER, LAUNCHER, Call, Forward, Hello, MeshFailure, ProcExit, Reply,
-                                      ShipTelemetry, Stop, Supervise, describe_exit, describe_status)
+from monarch.runtime import codec, heartbeat, launch
+from monarch.runtime.commands import (CONTROLLER, LAUNCHER, Call, Forward, Heartbeat, Hello, MeshFailure, ProcExit,
+                                      Reply, ShipTelemetry, Stop, Supervise, describe_exit, describe_status)
 from monarch.runtime.futures import CallState
 from monarch.runtime.poller import Poller
 from monarch.runtime.shape import Shape
@@ -54,7 +55,7 @@ class Conn:
         self.header: codec.Header | None = None
         self.reader = codec.FrameReader(config.max_frame())
         self.mesh: Mesh | None = None
-        self.opened = time.monotonic()
+        self.opened = self.heard = time.monotonic()  # heard: when bytes last came from the peer
 
     def send(self, frame: bytes) -> None:
         with self.lock:
@@ -151,6 +152,7 @@ class Mesh:
         self.lost: dict[int, float] = {}  # rank -> deadline for its monitor's exit report
         self.stderr_tail: deque[str] = deque(maxlen=40)
         self.frames = 0  # frames sent to its workers (one per worker per flush or compiled step)
+        self.heartbeat = config.heartbeat_timeout()  # seconds a worker may be silent (0: never fails)
         self.max_frame = config.max_frame()  # its workers inherit the flag: the largest frame they accept
 
     def coords(self, rank: int) -> str:
@@ -177,6 +179,7 @@ class Controller:
         self._handshaking: set[Conn] = set()
         self._ended: dict[int, SupervisionError] = {}  # mesh id -> why it is gone
         self.meshes: dict[int, Mesh] = {}
+        self._watch = heartbeat.Watch()
         self._poller = Poller(self._expire)
         self._listeners: dict[str, str] = {}  # bind host -> "host:port"
         self._next_export = 0.0
@@ -336,6 +339,7 @@ class Controller:
                     self._fail(mesh, rank, mesh.pids[rank], "lost its control connection (exit status unknown)")
                 else:
                     nxt = min(nxt, deadline - now)
+        nxt = min(nxt, self._watch.tick(now, self.meshes, self._fail))
         if STORE.exporter is not None and now >= self._next_export:
             self._export_telemetry()
             self._next_export = now + EXPORT_EVERY_S
@@ -439,6 +443,9 @@ class Controller:
         elif kind is Hello:
             mesh.pids[conn.header.rank] = msg.pid
             RECORDER.add("procs", (conn.header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
+            if mesh.heartbeat > 0:
+                with suppress(OSError):  # the peer is gone: its reader sees the EOF
+                    conn.send(codec.encode_frame([Heartbeat(heartbeat.interval(mesh.heartbeat))]))
             if all(c is not None for c in mesh.conns) and all(mesh.pids):
                 mesh.settled.set()
         elif kind is ProcExit:
@@ -522,6 +529,7 @@ class _ConnReader:
         if not data:
             self.ctl._peer_closed(conn)
             return
+        conn.heard = time.monotonic()
         if conn.header is None:
             conn.head += data
             if len(conn.head) < codec.HEADER_SIZE:

@@ -1,9 +1,10 @@
 """The worker process: decode control frames and dispatch them through `HANDLERS` to hosted actors.
 
 Started as `python -m monarch.runtime.worker` by mpiexec (see bootstrap.py). One thread: it receives a
-chunk, runs every message in it in order, then sends all replies in one frame. A call an actor makes
-on another mesh is forwarded through the controller; while it waits, the worker keeps running the
-messages of its other, idle actors (each actor still sees its own messages in order).
+chunk, runs every message in it in order, then sends all replies in one frame (a second thread only
+sends heartbeats, heartbeat.py). A call an actor makes on another mesh is forwarded through the
+controller; while it waits, the worker keeps running the messages of its other, idle actors (each actor
+still sees its own messages in order).
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from typing import Any, Callable
 from monarch import config
 from monarch.errors import TransportError
 from monarch.runtime import codec
-from monarch.runtime.commands import (CONTROLLER, Call, Forward, InstallProgram, InvokeProgram, Reply, RunProgram,
-                                      ShipTelemetry, SpawnActor, Stop, Supervise)
+from monarch.runtime.commands import (CONTROLLER, Call, Forward, Heartbeat, InstallProgram, InvokeProgram, Reply,
+                                      RunProgram, ShipTelemetry, SpawnActor, Stop, Supervise)
 from monarch.runtime.context import set_client
 from monarch.runtime.futures import CallState
+from monarch.runtime.heartbeat import Sender
 from monarch.runtime.hosting import HostedActor
 from monarch.runtime.shape import Shape
 from monarch.runtime.spin import AdaptiveSpin
@@ -35,6 +37,7 @@ class Worker:
 
     def __init__(self, sock: socket.socket, rank: int) -> None:
         self.sock = sock
+        self.sender = Sender(sock)  # every send goes through it: the heartbeat thread sends too
         self.rank = rank
         self._max_frame = config.max_frame()  # the controller's limit too (the workers inherit the flag)
         self._reader = codec.FrameReader(self._max_frame)
@@ -49,7 +52,7 @@ class Worker:
         self._handlers: dict[type, Callable[[Any], None]] = {
             SpawnActor: self._spawn, Call: self._call, Reply: self._reply, Stop: self._stop, Supervise: self._supervise,
             RunProgram: self._run_program, InstallProgram: self._tensor_msg, InvokeProgram: self._tensor_msg,
-            ShipTelemetry: self._ship_telemetry,
+            ShipTelemetry: self._ship_telemetry, Heartbeat: lambda msg: self.sender.beat(msg.every),
         }
         self._arrived: dict[int, int] = {}  # id(Call) -> when it arrived (µs), for the messages table
         self._ran: list[tuple[Call, int, int, bool]] = []  # calls run since the last flush: start, end, ok
@@ -129,7 +132,7 @@ class Worker:
             self._outbox.append(self._events())
         if self._outbox:
             frame, self._outbox = codec.encode_frames(self._outbox, self._max_frame, self._refuse), []
-            self.sock.sendall(frame)
+            self.sender.sendall(frame)
         if self._ran:
             self._record_calls()
         if RECORDER.on and time.monotonic() >= self._sampled + MEMORY_EVERY_S:
@@ -259,6 +262,7 @@ def main(argv: list[str]) -> int:
     set_client(worker)
     worker.serve()
     worker.flush()
+    worker.sender.close()
     boot.sock.close()
     return 0
 
