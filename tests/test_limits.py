@@ -16,6 +16,7 @@ import monarch
 from conftest import owned_processes
 from monarch.actor import Actor, ActorMesh, ProcMesh, endpoint, this_host
 from monarch.errors import MonarchError, SpawnError, TransportError
+from monarch.runtime import futures
 from monarch.runtime.controller import controller
 
 T = 30
@@ -103,6 +104,7 @@ def test_oversize_argument_fails_the_call_not_the_mesh(blobs: ActorMesh) -> None
         blobs.slice(gpus=0).echo.call_one(bytes(BIG))
     _names_the_limit(info.value)
     assert "blobs.echo" in str(info.value)
+    assert not [s for s in futures._unanswered.values() if s.what == "blobs.echo"]  # not a call in flight
     _still_answers(blobs)
     with pytest.raises(TransportError):
         blobs.echo.broadcast(bytes(BIG))

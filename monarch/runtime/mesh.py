@@ -56,7 +56,12 @@ class EndpointRef:
         what = f"{self._mesh._name}.{self._name}"
         state = CallState(shape, what, (self._mesh._mesh_id, self._mesh._name)) if want_reply else None
         call = Call(c.next_call_id(), CONTROLLER, self._mesh._name, self._name, codec.dumps((args, kwargs)), want_reply)
-        c.send(self._mesh._mesh_id, shape, call, state)
+        try:
+            c.send(self._mesh._mesh_id, shape, call, state)
+        except BaseException as e:
+            if state is not None:
+                state.fail_missing(e)  # never sent: no actor is busy with it
+            raise
         return state, c
 
     def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
