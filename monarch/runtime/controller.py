@@ -55,7 +55,8 @@ class Conn:
         self.header: codec.Header | None = None
         self.reader = codec.FrameReader(config.max_frame())
         self.mesh: Mesh | None = None
-        self.opened = self.heard = time.monotonic()  # heard: when bytes last came from the peer
+        self.opened = self.heard = time.monotonic()  # heard: when a heartbeat check last saw `fresh`
+        self.fresh = False  # bytes came from the peer since the last heartbeat check
 
     def send(self, frame: bytes) -> None:
         with self.lock:
@@ -529,7 +530,7 @@ class _ConnReader:
         if not data:
             self.ctl._peer_closed(conn)
             return
-        conn.heard = time.monotonic()
+        conn.fresh = True
         if conn.header is None:
             conn.head += data
             if len(conn.head) < codec.HEADER_SIZE:

@@ -4,12 +4,12 @@ Worker side, `Sender`: every send of a worker goes through its lock (frames neve
 daemon thread sends an empty frame whenever nothing was sent for a while; it needs nothing from the
 main thread, so it beats while an endpoint or a kernel runs. Controller side, `Watch`: fails a worker
 silent for its mesh's timeout, counting only time during which the controller itself was polling.
+Neither end reads a clock per message: a send or a read only sets a flag that the timers look at.
 """
 from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +31,7 @@ class Sender:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._sent = time.monotonic()  # when the last frame went out
+        self._sent = False  # a frame went out since the heartbeat thread last looked
         self._lock = threading.Lock()
         self._every = 0.0
         self._closed = threading.Event()
@@ -40,10 +40,11 @@ class Sender:
     def sendall(self, frame: bytes) -> None:
         with self._lock:
             self.sock.sendall(frame)
-            self._sent = time.monotonic()
+            self._sent = True
 
     def beat(self, every: float) -> None:
-        """Send a heartbeat whenever nothing was sent for `every` seconds (0: stop beating)."""
+        """Send a heartbeat every `every` seconds in which nothing else was sent (0: stop beating); a
+        healthy worker is never silent for more than twice that."""
         self._every = every
         if every > 0 and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="monarch-heartbeat", daemon=True)
@@ -58,12 +59,12 @@ class Sender:
     def _run(self) -> None:
         while not self._closed.wait(self._every or IDLE_S):
             with self._lock:
-                if self._every and time.monotonic() - self._sent >= self._every:
+                if self._every and not self._sent:
                     try:
                         self.sock.sendall(BEAT)
                     except OSError:
                         return  # the connection is gone; the main thread sees it and exits
-                    self._sent = time.monotonic()
+                self._sent = False
 
 
 Fail = Callable[[Any, int, int, str], None]  # (mesh, rank, pid, status): Controller._fail
@@ -99,6 +100,8 @@ class Watch:
         for rank, conn in enumerate(mesh.conns):
             if conn is None or not mesh.pids[rank] or rank in mesh.lost:
                 continue  # not said hello yet (spawn's own timeout applies), or already lost
+            if conn.fresh:
+                conn.fresh, conn.heard = False, now
             silent = now - max(conn.heard, self._resumed)
             if silent > mesh.heartbeat:
                 fail(mesh, rank, mesh.pids[rank],
