@@ -149,3 +149,21 @@ def test_oversize_tensor_program_and_fetch_fail_clearly(small: ProcMesh, blobs: 
         _names_the_limit(info.value)
         assert big[:10].full_tensor().tolist() == [0.0] * 10 and (big + 1).sum().item() == n
     _still_answers(blobs)
+
+
+def test_oversize_compiled_step_argument_fails_that_call(small: ProcMesh, blobs: ActorMesh) -> None:
+    big, few = torch.ones(BIG // 4), torch.ones(16)
+    with small.activate():
+        w = monarch.ones(4, mesh=small)
+
+        @monarch.compile
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return x.sum() + w.sum()
+
+        assert step(few).item() == 20
+        for _ in range(2):  # recorded, then installed: refused both times, and nothing is left half-done
+            with pytest.raises(TransportError, match="compile'd step") as info:
+                step(big).item()
+            _names_the_limit(info.value)
+        assert step(few).item() == 20 and step(few).item() == 20
+    _still_answers(blobs)

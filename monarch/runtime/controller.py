@@ -237,8 +237,9 @@ class Controller:
         for r in shape.ranks():
             self._send_rank(mesh, r, frame)
 
-    def send_each(self, mesh_id: int, frames: dict[int, bytes], call_id: int, state: CallState | None) -> None:
-        """Send each rank its own frame; `state` collects the replies to `call_id` when given."""
+    def send_each(self, mesh_id: int, frames: dict[int, bytes], call_id: int, state: CallState | None,
+                  what: str = "the tensor program") -> None:
+        """Send each rank its own frame (`what`, for errors); `state` collects the replies to `call_id`."""
         mesh = self.mesh(mesh_id)
         if not mesh.live:
             err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} is stopped; spawn a new one")
@@ -247,7 +248,7 @@ class Controller:
             state.fail_missing(err)
             return
         for r, frame in frames.items():
-            self.check_frame(mesh, frame, f"the tensor program for rank {r}")
+            self.check_frame(mesh, frame, f"{what} for rank {r}")
         if state is not None:
             mesh.pending[(CONTROLLER, call_id)] = state
         for r, frame in frames.items():

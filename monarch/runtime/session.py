@@ -149,9 +149,7 @@ class Session:
                frees: tuple[int, ...]) -> None:
         """Run compiled program `pid` (installing it first when `install` is given): one frame per worker,
         the same bytes for every worker once the program is installed."""
-        if install is not None:
-            self._programs[pid] = self._comm_names(install)
-        self.collectives.extend(self._programs[pid])
+        comms = self._comm_names(install) if install is not None else self._programs[pid]
         call = InvokeProgram(pid, inputs, outputs, feeds, frees)
         ranks = self.view.ranks()
         if install is None:
@@ -160,7 +158,10 @@ class Session:
         else:
             installs = lower_install(pid, install, self.view)
             frames = {r: codec.encode_frame([installs[r], call]) for r in ranks}
-        controller().send_each(self.mesh._mesh.id, frames, 0, None)
+        controller().send_each(self.mesh._mesh.id, frames, 0, None,
+                               "a call of a monarch.compile'd step (its program or plain tensor arguments)")
+        self._programs[pid] = comms
+        self.collectives.extend(comms)
 
     def _count(self, programs: tuple[RankProgram, ...]) -> None:
         self.collectives.extend(self._comm_names(programs))
