@@ -10,18 +10,20 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from monarch import config
 from monarch.errors import UnsupportedOpError
-from monarch.graph.rules import Emitter, OpCall, Strategy, all_replicated, load_rules, rule_for, writes_first_arg
+from monarch.graph.rules import (R, Emitter, OpCall, Rule, Strategy, all_replicated, load_rules, rule_for,
+                                 writes_first_arg)
 from monarch.tensor.placement import Partial, Placement, Shard
-from monarch.tensor.spec import Spec
+from monarch.tensor.spec import AbstractMesh, Spec
 
 _warned: set[str] = set()
+_POINT = AbstractMesh(("point",), (1,))  # a mesh dim of size 1
 _INTERNAL = tuple(str(Path(f).parent) + os.sep for f in (torch.__file__, config.__file__))  # torch/, monarch/
 
 
@@ -40,11 +42,22 @@ def decide(call: OpCall) -> Decision:
     if rule is None:
         return _fallback(call)
     inplace = writes_first_arg(call.op)
+    if call.ins and not call.ins[0].mesh.ndim:
+        return _one_rank(call, rule, inplace)
     chosen = tuple(_best(call, d, rule(call, d), inplace) for d in range(call.ins[0].mesh.ndim if call.ins else 0))
     ins = tuple(s.with_placements(tuple(c.inputs[i] for c in chosen)) for i, s in enumerate(call.ins))
     outs = tuple(s.with_placements(tuple(c.outputs[i] for c in chosen)) for i, s in enumerate(call.outs))
     emit = next((c.emit for c in chosen if c.emit is not None), None)
     return Decision(ins, outs, chosen, emit)
+
+
+def _one_rank(call: OpCall, rule: Rule, inplace: bool) -> Decision:
+    """A mesh without dims is one rank: nothing to place, but the op's emitter (a random op's seeded
+    draw, empty_like's zeros) is the one the rule picks on a mesh dim of size 1, where pieces are whole."""
+    def lift(spec: Spec) -> Spec:
+        return Spec(spec.shape, spec.stride, spec.dtype, (R,), _POINT)
+    lifted = replace(call, ins=tuple(map(lift, call.ins)), outs=tuple(map(lift, call.outs)))
+    return Decision(call.ins, call.outs, (), _best(lifted, 0, rule(lifted, 0), inplace).emit)
 
 
 def _best(call: OpCall, d: int, strategies: list[Strategy], inplace: bool) -> Strategy:

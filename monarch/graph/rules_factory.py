@@ -1,9 +1,10 @@
-"""Rules for ops that make a new tensor from a MeshTensor argument: *_like, rand*_like and new_*.
+"""Rules for ops that make new values from a MeshTensor argument: *_like, rand*_like, new_*, the random
+fills (bernoulli_, uniform_, normal_; the dropout mask is a bernoulli_) and bernoulli.
 
-The argument's values are never read, so it stays where it is; the output follows its shard (R when it
-is replicated or Partial). Random values are drawn as pieces of one global tensor from a seed shared by
-all ranks, so they do not depend on the placement. `empty` variants fill zeros, as monarch.empty does.
-(`fill_`, `zero_` and `copy_` are pointwise rules.)
+The argument's values are never read (but bernoulli(x)'s probabilities), so it stays where it is; the
+output follows its shard (R when it is replicated or Partial). Random values are drawn as pieces of one
+global tensor from a seed shared by all ranks, so they do not depend on the placement. `empty` variants
+fill zeros, as monarch.empty does. (`fill_`, `zero_` and `copy_` are pointwise rules.)
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 
 from monarch.graph.rules import Emit, OpCall, R, Strategy, register_rule
 from monarch.graph.rules_view import resized
-from monarch.tensor.instr import Local
+from monarch.tensor.instr import Buf, Local
 from monarch.tensor.placement import Placement, Shard
+from monarch.tensor.spec import Spec
 
 aten = torch.ops.aten
 
@@ -25,6 +27,7 @@ NEW = sorted([aten.new_empty.default, aten.new_empty_strided.default, aten.new_f
 RANDOM_LIKE = {aten.rand_like.default: "rand", aten.randn_like.default: "randn",
                aten.randint_like.default: "randint", aten.randint_like.low_dtype: "randint"}
 ZEROED = {aten.empty_like.default: "aten::zeros_like", aten.new_empty.default: "aten::new_zeros"}
+FILLS = sorted([aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default], key=str)
 
 
 def _kept(p: Placement) -> Placement:
@@ -73,6 +76,63 @@ def _random_emit(ctx: Emit) -> list[Local]:
     if RANDOM_LIKE[call.op] == "randint":
         low, high = (call.args[1], call.args[2]) if call.op == aten.randint_like.low_dtype else (0, call.args[1])
         kwargs.update(low=low, high=high)
-    seed = ctx.seed
-    return [Local("monarch::random", (RANDOM_LIKE[call.op], out.shape, out.bounds(ctx.coords), seed, kwargs), {},
-                  ctx.out_ids)]
+    return [random_piece(ctx, RANDOM_LIKE[call.op], out, kwargs, ctx.out_ids[0])]
+
+
+def random_piece(ctx: Emit, kind: str, spec: Spec, kwargs: dict[str, Any], out: int) -> Local:
+    """Buffer `out` := this rank's piece of the op's global random tensor of `spec`'s shape."""
+    return Local("monarch::random", (kind, spec.shape, spec.bounds(ctx.coords), ctx.seed, kwargs), {}, (out,))
+
+
+def uniform_piece(ctx: Emit, spec: Spec, kind: str = "rand") -> tuple[Local, Buf]:
+    """A temporary holding this rank's piece of a global U[0, 1) (or N(0, 1)) draw, in float32 (float64
+    for float64 tensors)."""
+    u = ctx.tmp()
+    dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
+    return random_piece(ctx, kind, spec, {"dtype": dtype}, u.id), u
+
+
+@register_rule(*FILLS)
+def fill(call: OpCall, mdim: int) -> list[Strategy]:
+    """In place, the target's values unread: its piece of one global draw (a Partial target becomes R)."""
+    p = call.ins[0].placements[mdim]
+    return [Strategy((p,), (_kept(p),), _fill_emit)]
+
+
+def _fill_emit(ctx: Emit) -> list[Local]:
+    call = ctx.call
+    if call.op is aten.bernoulli_.float:
+        kind, steps = "rand", [("aten::lt.Scalar", call.arg(1, "p", 0.5))]
+    elif call.op is aten.uniform_.default:
+        low, high = call.arg(1, "from", 0.0), call.arg(2, "to", 1.0)
+        kind, steps = "rand", [("aten::mul.Scalar", high - low), ("aten::add.Scalar", low)]
+    else:
+        mean, std = call.arg(1, "mean", 0.0), call.arg(2, "std", 1.0)
+        kind, steps = "randn", [("aten::mul.Scalar", std), ("aten::add.Scalar", mean)]
+    draw, x = uniform_piece(ctx, ctx.outs[0], kind)
+    instrs = [draw]
+    for op, c in steps:
+        y = ctx.tmp()
+        instrs.append(Local(op, (x, c), {}, (y.id,)))
+        x = y
+    return instrs + [Local("aten::copy_", (ctx.args[0], x), {}, ctx.out_ids)]
+
+
+@register_rule(aten.bernoulli.p, aten.bernoulli.default)
+def bernoulli(call: OpCall, mdim: int) -> list[Strategy]:
+    """bernoulli(x, p) as a fill; bernoulli(x) reads x's probabilities, so a Partial x is reduced first."""
+    p = call.ins[0].placements[mdim]
+    if call.op is aten.bernoulli.default and p.is_partial():
+        p = R
+    return [Strategy((p,), (_kept(p),), _bernoulli_emit)]
+
+
+def _bernoulli_emit(ctx: Emit) -> list[Local]:
+    """1 where this rank's piece of a global U[0, 1) draw is below the probability."""
+    out, hit = ctx.outs[0], ctx.tmp()
+    draw, u = uniform_piece(ctx, out)
+    if ctx.call.op is aten.bernoulli.default:
+        below = Local("aten::lt.Tensor", (u, ctx.args[0]), {}, (hit.id,))
+    else:
+        below = Local("aten::lt.Scalar", (u, ctx.call.arg(1, "p")), {}, (hit.id,))
+    return [draw, below, Local("aten::_to_copy", (hit,), {"dtype": out.dtype}, ctx.out_ids)]

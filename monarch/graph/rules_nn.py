@@ -1,5 +1,6 @@
 """Rules for neural-network ops: softmax and log_softmax, layer norm, embedding, nll_loss and nll_loss2d
-(and their backward ops); cross_entropy reaches dispatch as _log_softmax + nll_loss(2d)_forward.
+(and their backward ops), native_dropout; cross_entropy reaches dispatch as _log_softmax +
+nll_loss(2d)_forward, F.dropout on CPU tensors as a bernoulli_ mask (rules_factory) times the input.
 
 Rows stay sharded along dims the op does not mix (batch dims); parameter gradients summed over a
 sharded batch become Partial(sum). A vocab-sharded embedding looks up its own rows and masks the rest.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from monarch.graph.rules import Emit, OpCall, R, Strategy, op_name, register_rule
+from monarch.graph.rules_factory import uniform_piece
 from monarch.tensor.instr import Buf, Local
 from monarch.tensor.placement import Partial, Placement, Shard
 from monarch.tensor.spec import Spec
@@ -162,3 +164,24 @@ def nll_loss_backward(call: OpCall, mdim: int) -> list[Strategy]:
         g = Shard(t) if reduction == NONE else R
         strategies.append(Strategy(_rest(call, (g, Shard(d), Shard(t)))[:-1] + (total,), (Shard(d),)))
     return strategies
+
+
+# -- dropout ----------------------------------------------------------------------------------------
+@register_rule(aten.native_dropout.default)
+def native_dropout(call: OpCall, mdim: int) -> list[Strategy]:
+    """The mask is this rank's piece of one global draw (the same on any placement); the output is linear
+    in the input, so a Partial input gives a Partial output with a replicated mask."""
+    emit = None if call.arg(2, "train") is False else emit_dropout  # eval: the input and a mask of ones
+    strategies = [Strategy((Shard(d),), (Shard(d),) * 2, emit) for d in range(call.ins[0].ndim)]
+    return strategies + [Strategy((P,), (P, R), emit), Strategy((R,), (R, R), emit)]
+
+
+def emit_dropout(ctx: Emit) -> list[Local]:
+    """mask = u < 1 - p, output = input * mask / (1 - p), as torch's native_dropout."""
+    keep = 1.0 - ctx.call.arg(1, "p")
+    draw, u = uniform_piece(ctx, ctx.outs[1])
+    out, mask = ctx.out_ids
+    kept = ctx.tmp()
+    return [draw, Local("aten::lt.Scalar", (u, keep), {}, (mask,)),
+            Local("aten::mul.Tensor", (ctx.args[0], Buf(mask)), {}, (kept.id,)),
+            Local("aten::mul.Scalar", (kept, 1.0 / keep if keep else 0.0), {}, (out,))]

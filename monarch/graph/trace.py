@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,8 @@ class Capture:
     """What tracing a compiled step notes besides the graph: the objects that feed it and receive it."""
     touched: list[weakref.ref] = field(default_factory=list)  # MeshTensors created or rebound meanwhile
     sources: dict[int, weakref.ref] = field(default_factory=dict)  # placeholder id -> MeshTensor read
+    salt: fx.Node | None = None  # the feed of the per-call salt of the step's random ops, if it has any
+    draws: Iterator[int] = field(default_factory=itertools.count)  # numbers the step's random ops
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,7 @@ class Tracer:
         node, ids = self.node(func, tuple(n for n, _ in srcs), d.outs, d.emit or Emit.default, local_args,
                               local_kwargs, entry.call, d.ins)
         if entry.seeded:
-            node.meta["seed"] = next_seed()
+            self.seeded(node)
         outs = [self.wrap(spec, node, i) for spec, i in zip(entry.decision.outs, ids, strict=True)]
         if entry.inplace:
             if args[0]._handle.copied_view:
@@ -196,6 +198,22 @@ class Tracer:
             for o in outs:
                 o._handle.copied_view = True
         return entry.build(outs)
+
+    def seeded(self, node: fx.Node) -> None:
+        """Give random op `node` its seed (`Emit.seed`), the next of monarch.manual_seed's stream. In a
+        compiled step the seed is (the op's number in the step, salt buffer): each call feeds the next of
+        the stream as the salt, so that every call draws new numbers, and the numbers do not depend on
+        whether the call recorded the step; the salt's feed node becomes an input of `node`."""
+        cap = self.capture
+        if cap is None:
+            node.meta["seed"] = next_seed()
+            return
+        if cap.salt is None:
+            spec = spec_of(torch.empty((), dtype=torch.int64, device=_META), (Replicate(),) * self.mesh.ndim, self.mesh)
+            cap.salt, _ = self.node(feed, (), (spec,), _no_instructions)
+            node.prepend(cap.salt)
+        node._update_args_kwargs((*node.args, cap.salt), {})
+        node.meta["seed"] = (next(cap.draws), Buf(cap.salt.meta["ids"][0]))
 
     def _constants(self, obj: Any) -> Any:
         """`obj` with every plain tensor replaced by a replicated MeshTensor of its data (sent to each rank)."""

@@ -30,6 +30,7 @@ from monarch.runtime.procs import ProcMesh
 from monarch.runtime.reference import LocalMesh
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Replicate
+from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec, spec_of
 
 log = logging.getLogger("monarch.compile")
@@ -48,6 +49,7 @@ class Program:
     outputs: tuple[tuple[int, weakref.ref], ...]       # produced id, the MeshTensor that keeps it
     returns: tuple[tuple[int, Spec], ...]              # produced ids of the returned tensors
     feeds: tuple[tuple[int, int], ...]                 # feed id, argument slot (replicated)
+    salt: int | None                                   # feed id of the random ops' per-call salt
     spec: pytree.TreeSpec                              # structure of the return value
     # after a call that moved no handle: (tracer epoch, buffer ids read, the (program id, buffer id)
     # pairs of inputs that are not arguments, output pairs); valid while nothing else was recorded
@@ -79,7 +81,8 @@ class Program:
         settled = self.settled
         outputs, moved = self._outputs(s) if settled is None else (settled[3], [])
         returns = [(p, next(s.tracer.ids)) for p, _ in self.returns]
-        s.invoke(self.pid, None, inputs, outputs + tuple(returns), feeds(self.feeds, flat), s.tracer.take_released())
+        s.invoke(self.pid, None, inputs, outputs + tuple(returns), feeds(self.feeds, flat, self.salt),
+                 s.tracer.take_released())
         for t, id in moved:
             t._handle = s.tracer.external(id)
         if settled is not None:
@@ -111,10 +114,12 @@ class Program:
         return tuple(outputs), moved
 
 
-def feeds(slots: tuple[tuple[int, int], ...], flat: list[Any]) -> tuple[tuple[int, Any], ...]:
+def feeds(slots: tuple[tuple[int, int], ...], flat: list[Any], salt: int | None) -> tuple[tuple[int, Any], ...]:
     """The plain tensor arguments' data under their feed ids (every rank gets all of it), as numpy
-    arrays where numpy has the dtype: they pickle many times faster than tensors."""
-    return tuple((fid, _portable(flat[slot].detach())) for fid, slot in slots)
+    arrays where numpy has the dtype: they pickle many times faster than tensors; and under `salt` a new
+    draw of monarch.manual_seed's stream, so that the program's random ops draw new numbers each call."""
+    data = tuple((fid, _portable(flat[slot].detach())) for fid, slot in slots)
+    return data if salt is None else data + ((salt, _portable(torch.tensor(next_seed()))),)
 
 
 def _portable(t: torch.Tensor) -> Any:
@@ -231,11 +236,12 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Pro
             raise TraceError("a monarch.compile'd step returned one of its inputs unchanged; return only "
                              "tensors the step computes")
     fed = tuple((n.meta["ids"][0], n.meta["feed"]) for n in nodes if "feed" in n.meta)
+    salt = cap.salt.meta["ids"][0] if cap.salt is not None else None
     program = Program(next(_pids), s, inputs, tuple(outputs), tuple((t._handle.id, t._spec) for t in returned),
-                      fed, spec)
+                      fed, salt, spec)
     same = tuple((i, i) for i, _, _ in inputs)
     kept = tuple((i, i) for i, _ in outputs) + tuple((i, i) for i, _ in program.returns)
-    s.invoke(program.pid, programs, same, kept, feeds(fed, flat), ())
+    s.invoke(program.pid, programs, same, kept, feeds(fed, flat, salt), ())
     # buffers released while tracing live outside the program's own namespace: free them after it ran
     s.tracer.released.extend(i for i in traced.released if i not in produced)
     return program, result

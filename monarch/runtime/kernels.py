@@ -31,9 +31,12 @@ def constant(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def random(kind: str, shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...], seed: int,
-           kwargs: dict[str, Any]) -> torch.Tensor:
-    """The piece `bounds` of a global random tensor that depends only on `seed` (not on the placement)."""
+def random(kind: str, shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...],
+           seed: int | tuple[int, torch.Tensor], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The piece `bounds` of a global random tensor that depends only on `seed` (not on the placement);
+    in a compiled program the seed is (seed, this call's salt)."""
+    if isinstance(seed, tuple):
+        seed = (seed[0] * 1_000_003 + int(seed[1])) % (1 << 63)
     gen = torch.Generator().manual_seed(seed)
     full = RANDOM[kind](shape, gen, **kwargs)
     for d, (start, n) in enumerate(bounds):

@@ -16,13 +16,13 @@ from torch.overrides import TorchFunctionMode
 from monarch.errors import ShardingError
 from monarch.graph.partition import outline, partition
 from monarch.graph.rules import Emit
+from monarch.graph.rules_factory import random_piece
 from monarch.runtime import checkpoint, codec, kernels
 from monarch.runtime.futures import Future
 from monarch.runtime.session import Session, all_sessions, session_of
 from monarch.tensor.instr import Buf, Local
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
-from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec
 
 PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
@@ -30,7 +30,7 @@ checkpoint.install()  # optimizers load state like its MeshTensor parameter; tor
 
 
 def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placements: PlacementsArg,
-             make: Callable[[Emit, Spec], Local], what: str) -> MeshTensor:
+             make: Callable[[Emit, Spec], Local], what: str, seeded: bool = False) -> MeshTensor:
     s = session_of(procs)
     shape = _dims(shape)
     dtype = dtype or torch.get_default_dtype()
@@ -40,6 +40,8 @@ def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placem
     meta = torch.empty(shape, dtype=dtype, device="meta")
     spec = Spec(shape, tuple(meta.stride()), dtype, ps, s.abstract)
     node, ids = s.tracer.node(FACTORIES[what], (), (spec,), lambda ctx: [make(ctx, spec)])
+    if seeded:
+        s.tracer.seeded(node)
     return s.tracer.wrap(spec, node, ids[0])
 
 
@@ -78,12 +80,10 @@ def _random(kind: str, shape: Sequence[Any], mesh: Any, placements: PlacementsAr
     if generator is not None:
         data = kernels.RANDOM[kind](_dims(shape), generator, dtype=dtype or torch.get_default_dtype(), **kw)
         return distribute_tensor(data, mesh, placements)
-    seed = next_seed()
 
     def make(ctx: Emit, spec: Spec) -> Local:
-        return Local("monarch::random", (kind, spec.shape, spec.bounds(ctx.coords), seed, {"dtype": spec.dtype, **kw}),
-                     {}, ctx.out_ids)
-    return _factory(mesh, shape, dtype, placements, make, kind)
+        return random_piece(ctx, kind, spec, {"dtype": spec.dtype, **kw}, ctx.out_ids[0])
+    return _factory(mesh, shape, dtype, placements, make, kind, seeded=True)
 
 
 def randn(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
