@@ -21,6 +21,7 @@ from monarch.runtime.telemetry import TABLES, WORKER_TABLES, Events, width
 
 
 LOAD_AT = 200_000  # pending events that are loaded into the database without waiting for a query
+COMPACT_AT = 100_000  # dropped rows after which a CHECKPOINT hands their memory back (DELETE only marks them)
 LOCKED = {"enable_external_access": False, "autoinstall_known_extensions": False,  # set before the tables exist
           "autoload_known_extensions": False, "allow_community_extensions": False,
           "python_enable_replacements": False}  # no scans of the caller's Python variables by name
@@ -66,6 +67,7 @@ class Store:
         self._pending_rows = dict.fromkeys(TABLES, 0)
         self._waiting = 0
         self._stored = dict.fromkeys(TABLES, 0)  # rows of each table in the database
+        self._dropped = 0  # rows deleted since the last checkpoint
         self._con: Any = None
         self.retain = config.telemetry_retain() if retain is None else retain
         self.exporter: Any = from_environment()
@@ -147,6 +149,9 @@ class Store:
             con.unregister("_batch")
             self._stored[table] += len(data["rank"])
             self._drop_oldest(con, table)
+        if self._dropped and self._dropped >= min(self.retain, COMPACT_AT):
+            con.execute("CHECKPOINT")
+            self._dropped = 0
 
     def _drop_oldest(self, con: Any, table: str) -> None:
         excess = self._stored[table] - self.retain
@@ -154,6 +159,7 @@ class Store:
             oldest = f"SELECT rowid FROM {table} ORDER BY rowid LIMIT {excess}"
             con.execute(f"DELETE FROM {table} WHERE rowid IN ({oldest})")
             self._stored[table] = self.retain
+            self._dropped += excess
 
 
 def check_read_only(con: Any, query: str) -> None:
