@@ -24,6 +24,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/eager_ops.py
 	$(PY) benchmarks/train_vs_ddp.py
 	$(PY) benchmarks/telemetry_overhead.py
+	$(PY) benchmarks/heartbeat.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .hypothesis

@@ -52,24 +52,25 @@ def set_telemetry(switch: object, on: bool) -> None:
 
 @dataclass(frozen=True)
 class Paired:
-    """Results of alternating blocks: per-block values with telemetry off and on, pair by pair."""
+    """Results of alternating blocks: per-block values with a setting off and on, pair by pair."""
     off: list[float]
     on: list[float]
 
     def overheads(self, rate: bool) -> list[float]:
-        """Per pair, how much longer the work took with telemetry on (rates: inverse ratio)."""
+        """Per pair, how much longer the work took with the setting on (rates: inverse ratio)."""
         return [(a / b if rate else b / a) - 1 for a, b in zip(self.off, self.on, strict=True)]
 
 
-def paired(run: Callable[[], float], switch: object, blocks: int) -> Paired:
-    """`run()` with telemetry off and on, in pairs of blocks on the same mesh (off-on, then on-off)."""
+def paired(run: Callable[[], float], switch: Callable[[bool], None], blocks: int) -> Paired:
+    """`run()` with a setting off and on (`switch(on)`), in pairs of blocks on the same mesh (off-on, then
+    on-off); left on."""
     off, on = [], []
     for b in range(blocks):
         order = (False, True) if b % 2 == 0 else (True, False)
         for flag in order:
-            set_telemetry(switch, flag)
+            switch(flag)
             (on if flag else off).append(run())
-    set_telemetry(switch, True)
+    switch(True)
     return Paired(off, on)
 
 
@@ -142,17 +143,17 @@ def main() -> None:
         if pin:
             switch.pin.call(1).get(timeout=30)  # type: ignore[attr-defined]
         calls(one, 2000)
-        call = paired(lambda: calls(one, a.calls), switch, a.blocks)
+        call = paired(lambda: calls(one, a.calls), lambda on: set_telemetry(switch, on), a.blocks)
         os.sched_setaffinity(0, everywhere)
     with this_host().spawn_procs(per_host={"x": 2}) as procs:
         switch = procs.spawn("switch", Switch)
         one = procs.spawn("echo", Echo).slice(x=0)
         calls(one, 2000)
-        shared = paired(lambda: calls(one, a.calls), switch, a.blocks)
+        shared = paired(lambda: calls(one, a.calls), lambda on: set_telemetry(switch, on), a.blocks)
         step = compiled_step(procs)
         for _ in range(5):
             step().item()
-        steps = paired(lambda: steps_ms(step, a.steps), switch, a.blocks)
+        steps = paired(lambda: steps_ms(step, a.steps), lambda on: set_telemetry(switch, on), a.blocks)
     table([(f"call_one throughput, 1 actor{' (pinned)' if pin else ''}", call, True, "{:,.0f} calls/s"),
            ("call_one, 1 actor of 2 procs (unpinned)", shared, True, "{:,.0f} calls/s"),
            ("compiled MLP step, 2 procs", steps, False, "{:.3f} ms")])
@@ -166,8 +167,8 @@ def median_interval(values: list[float]) -> tuple[float, float, float]:
     return v[max(int(n / 2 - half), 0)], statistics.median(v), v[min(int(n / 2 + half), n - 1)]
 
 
-def table(rows: list[tuple[str, Paired, bool, str]]) -> None:
-    print(f"{'what':42}{'telemetry off':>15}{'telemetry on':>15}{'overhead':>10}{'95% interval':>18}")
+def table(rows: list[tuple[str, Paired, bool, str]], setting: str = "telemetry") -> None:
+    print(f"{'what':42}{setting + ' off':>15}{setting + ' on':>15}{'overhead':>10}{'95% interval':>18}")
     for what, result, rate, fmt in rows:
         low, median, high = median_interval(result.overheads(rate))
         print(f"{what:42}{fmt.format(statistics.median(result.off)):>15}{fmt.format(statistics.median(result.on)):>15}"
