@@ -25,6 +25,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/train_vs_ddp.py
 	$(PY) benchmarks/telemetry_overhead.py
 	$(PY) benchmarks/heartbeat.py
+	$(PY) benchmarks/controller_memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .hypothesis
