@@ -48,6 +48,7 @@ def run(mesh: Any, placements: tuple, fn: str, p: float, seed: int, data: torch.
 
 
 DATA = torch.randn(6, 5, generator=torch.Generator().manual_seed(0)) + 3  # no zeros: y == 0 marks a drop
+WIDE = torch.randn(64, 5, generator=torch.Generator().manual_seed(1)) + 3  # 64 channels: two seeds' masks differ
 
 
 @settings(max_examples=30, deadline=None)
@@ -61,8 +62,8 @@ def test_same_seed_same_mask_on_every_placement_and_mesh(procs: ProcMesh, data: 
     got = run(view, placements, fn, p, seed, DATA)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    other = run(view, placements, fn, p, seed + 1, DATA)
-    assert not torch.equal(other[0], want[0])
+    one, other = (run(view, placements, fn, p, s, WIDE)[0] for s in (seed, seed + 1))
+    assert not torch.equal(one, other)
 
 
 @pytest.mark.parametrize("fn", ["F.dropout", "native_dropout"])
