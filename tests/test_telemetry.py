@@ -19,7 +19,7 @@ import monarch
 from monarch import Shard
 from monarch.actor import Actor, ProcMesh, endpoint, this_host
 from monarch.errors import SupervisionError
-from monarch.runtime.controller import TelemetrySink
+from monarch.runtime.conn import TelemetrySink
 from monarch.runtime.telemetry import TABLES, now_us
 
 T = 30.0

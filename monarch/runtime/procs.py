@@ -13,7 +13,8 @@ from monarch import config
 from monarch.errors import MeshError, SpawnError, SupervisionError
 from monarch.runtime import codec, launch
 from monarch.runtime.commands import SpawnActor
-from monarch.runtime.controller import Mesh, controller
+from monarch.runtime.conn import Mesh
+from monarch.runtime.controller import controller
 from monarch.runtime.endpoint import endpoints_of
 from monarch.runtime.futures import deadline_of
 from monarch.runtime.mesh import ActorMesh
