@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 from monarch import config
@@ -212,20 +212,29 @@ def spawn_to_first_call(payload: bytes) -> float:
 
 def kill_detection() -> float:
     """Seconds from SIGKILL of a worker in the middle of a call to the SupervisionError on the caller."""
-    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="bench-kill")
+    return signal_detection(signal.SIGKILL, TIMEOUT)
+
+
+def signal_detection(sig: int, wait: float) -> float:
+    """Seconds from signal `sig` to a worker in the middle of a call to the SupervisionError on the caller
+    (the worker is continued and the mesh stopped afterwards)."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, name="bench-signal")
+    pid = procs.pids[1]
     try:
         echo = procs.spawn("echo", Echo)
-        pid = echo.pid.call().get(timeout=TIMEOUT).values()[1]
-        pending = echo.sleep.call(TIMEOUT)
+        echo.sleep.call(0).get(timeout=TIMEOUT)
+        pending = echo.sleep.call(wait)
         time.sleep(0.1)
         t0 = time.perf_counter()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         try:
-            pending.get(timeout=TIMEOUT)
+            pending.get(timeout=wait)
         except SupervisionError:
             return time.perf_counter() - t0
-        raise AssertionError("a call on a killed worker returned normally")
+        raise AssertionError(f"a call on a worker given signal {sig} returned normally")
     finally:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
         procs.stop()
 
 

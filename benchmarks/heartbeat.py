@@ -20,14 +20,13 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from contextlib import suppress
 from types import SimpleNamespace
 
 import torch
 
-from actors import Echo, cpu_model, os_name
+from actors import Echo, cpu_model, os_name, signal_detection
 from monarch import config
-from monarch.actor import ProcMesh, SupervisionError, this_host
+from monarch.actor import ProcMesh, this_host
 from monarch.runtime import codec
 from monarch.runtime.commands import Heartbeat
 from monarch.runtime.controller import controller
@@ -64,28 +63,6 @@ def bookkeeping_us(n: int = 500_000) -> float:
         flags.sent = True
         lock.release()
     return (time.perf_counter() - t) / n * 1e6
-
-
-def stop_detection() -> float:
-    """Seconds from SIGSTOP of a worker in the middle of a call to the SupervisionError on the caller."""
-    procs = this_host().spawn_procs(per_host={"x": 2}, name="bench-stop")
-    pid = procs.pids[1]
-    try:
-        echo = procs.spawn("echo", Echo)
-        echo.sleep.call(0).get(timeout=TIMEOUT)
-        pending = echo.sleep.call(TIMEOUT)
-        time.sleep(0.1)
-        t0 = time.perf_counter()
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            pending.get(timeout=TIMEOUT)
-        except SupervisionError:
-            return time.perf_counter() - t0
-        raise AssertionError("a call on a stopped worker returned normally")
-    finally:
-        with suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-        procs.stop()
 
 
 def print_machine() -> None:
@@ -125,7 +102,7 @@ def main() -> None:
     both = bookkeeping_us()
     print(f"in both settings, per call_one: {both:.3f} µs = {both / statistics.median(call.off) * 100:.2f}% of "
           "the round trip (a poll's timer check, a read's flag, the worker's send lock)")
-    stops = [stop_detection() for _ in range(a.stops)]
+    stops = [signal_detection(signal.SIGSTOP, TIMEOUT) for _ in range(a.stops)]
     print(f"SIGSTOP to SupervisionError on a pending call: median {statistics.median(stops):.2f} s "
           f"(runs {', '.join(f'{s:.2f}' for s in stops)}), {statistics.median(stops) / timeout:.2f}x "
           f"MONARCH_HEARTBEAT_TIMEOUT={timeout:g} s")
