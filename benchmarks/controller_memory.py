@@ -4,7 +4,7 @@ Run: `.venv/bin/python benchmarks/controller_memory.py [--calls 1000000] [--base
 Each setting runs in a fresh controller process: `call_one` on a one-process mesh, and at 0, 1/4,
 1/2, 3/4 and all of the calls the controller's RSS, then one query (which loads every waiting event
 into the database), the RSS after it and the rows of `messages`. The retained run uses the
-MONARCH_TELEMETRY_RETAIN in force (default 200,000); the baseline (MONARCH_TELEMETRY_RETAIN=0, every
+MONARCH_TELEMETRY_RETAIN in force (default 100,000); the baseline (MONARCH_TELEMETRY_RETAIN=0, every
 row kept) runs fewer calls.
 """
 from __future__ import annotations

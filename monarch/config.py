@@ -40,7 +40,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_FLUSH_OPS", "20000", "recorded ops after which the pending graph is shipped without a sync"),
     Flag("MONARCH_HEARTBEAT_TIMEOUT", "5", "seconds a worker may be silent (no heartbeat) before its mesh fails "
          "(0: never)"),
-    Flag("MONARCH_TELEMETRY_RETAIN", "200000", "telemetry rows kept per table on the controller; the oldest "
+    Flag("MONARCH_TELEMETRY_RETAIN", "100000", "telemetry rows kept per table on the controller; the oldest "
          "are dropped beyond it (0: keep all)"),
     Flag("MONARCH_MAX_LOCAL_PROCS", "", "most worker processes of one local mesh (default: 16 per core)"),
 ]}

@@ -20,8 +20,8 @@ from monarch.runtime.otel import Exporter, from_environment
 from monarch.runtime.telemetry import TABLES, WORKER_TABLES, Events, width
 
 
-LOAD_AT = 200_000  # pending events that are loaded into the database without waiting for a query
-COMPACT_AT = 100_000  # dropped rows after which a CHECKPOINT hands their memory back (DELETE only marks them)
+LOAD_AT = 50_000  # pending events that are loaded into the database without waiting for a query
+COMPACT_AT = 50_000  # dropped rows after which a CHECKPOINT hands their memory back (DELETE only marks them)
 LOCKED = {"enable_external_access": False, "autoinstall_known_extensions": False,  # set before the tables exist
           "autoload_known_extensions": False, "allow_community_extensions": False,
           "python_enable_replacements": False}  # no scans of the caller's Python variables by name
