@@ -21,7 +21,7 @@ import torch
 
 from monarch import config
 from monarch.actor import Actor, endpoint, this_host
-from monarch.runtime.telemetry import rss_bytes
+from monarch.runtime.telemetry.events import rss_bytes
 
 
 class Echo(Actor):

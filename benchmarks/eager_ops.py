@@ -19,8 +19,8 @@ import monarch
 from monarch import Shard
 from monarch.actor import this_host
 from monarch.graph.partition import partition
-from monarch.runtime.lower import lower
-from monarch.runtime.session import session_of
+from monarch.runtime.session.lower import lower
+from monarch.runtime.session.session import session_of
 
 OPS: list[Callable[[torch.Tensor], torch.Tensor]] = [
     lambda t: t + 1.0, lambda t: t * 0.5, torch.relu, torch.neg, torch.sigmoid, torch.tanh,

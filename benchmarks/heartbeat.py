@@ -27,10 +27,10 @@ import torch
 from actors import Echo, cpu_model, os_name, signal_detection
 from monarch import config
 from monarch.actor import ProcMesh, this_host
-from monarch.runtime import codec
-from monarch.runtime.commands import Heartbeat
-from monarch.runtime.controller import controller
-from monarch.runtime.heartbeat import Watch, interval
+from monarch.runtime.control import codec
+from monarch.runtime.control.commands import Heartbeat
+from monarch.runtime.control.controller import controller
+from monarch.runtime.control.heartbeat import Watch, interval
 from telemetry_overhead import Switch, calls, compiled_step, paired, pinned, steps_ms, table
 
 TIMEOUT = 60.0  # seconds any single wait may take before the benchmark fails

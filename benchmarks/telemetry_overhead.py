@@ -22,8 +22,8 @@ import torch
 
 import monarch
 from monarch.actor import Actor, endpoint, this_host
-from monarch.runtime.telemetry import BATCH, RECORDER, Events
-from monarch.runtime.telemetry_db import Store
+from monarch.runtime.telemetry.events import BATCH, RECORDER, Events
+from monarch.runtime.telemetry.store import Store
 
 
 class Echo(Actor):
@@ -37,7 +37,8 @@ class Switch(Actor):
 
     @endpoint
     def set(self, on: bool) -> None:
-        from monarch.runtime import telemetry  # not the module global: this class is pickled by value
+        # not the module global: this class is pickled by value
+        from monarch.runtime.telemetry import events as telemetry
         telemetry.RECORDER.on = on
 
     @endpoint

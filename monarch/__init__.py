@@ -17,10 +17,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "MeshTensor": "monarch.tensor", "Shard": "monarch.tensor", "Replicate": "monarch.tensor",
     "Partial": "monarch.tensor", "Placement": "monarch.tensor",
-    "register_rule": "monarch.graph.rules", "compile": "monarch.runtime.compile",
-    "manual_seed": "monarch.tensor.random", "sql": "monarch.runtime.procs",
-    "debug": "monarch.runtime.procs",
-    **{name: "monarch.runtime.tensors" for name in (
+    "register_rule": "monarch.graph.rules.table", "compile": "monarch.runtime.session.compile",
+    "manual_seed": "monarch.tensor.random", "sql": "monarch.runtime.actors.proc_mesh",
+    "debug": "monarch.runtime.actors.proc_mesh", "LocalMesh": "monarch.runtime.session.local",
+    **{name: "monarch.runtime.session.api" for name in (
         "distribute_tensor", "randn", "rand", "randint", "zeros", "ones", "full", "empty", "arange",
         "fetch", "synchronize", "explain", "local_map")},
     **dict.fromkeys(("parallelize_module", "data_parallel", "full_state_dict", "ParallelStyle", "ColwiseParallel",

@@ -2,7 +2,7 @@
 
   monarch query "SELECT ..."      run SQL over its telemetry and print a table
   monarch top [--once]            a live view: hosts, procs and actors, message rates, busy time,
-                                  memory, the latest failures, and a SQL prompt (see monarch/top.py)
+                                  memory, the latest failures, and a SQL prompt (runtime/telemetry/top.py)
 Both attach to the newest controller of this user on this machine (or `--pid`), see runtime/admin.py.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in (q, t):
         s.add_argument("--pid", type=int, help="the controller's pid (default: the newest)")
     a = p.parse_args(argv)
-    from monarch import top
+    from monarch.runtime.telemetry import top
     try:
         if a.cmd == "query":
             answer = top.run(a.sql, a.pid)

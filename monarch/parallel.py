@@ -21,10 +21,10 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from monarch.errors import MeshError, ShardingError
-from monarch.runtime.futures import Future
-from monarch.runtime.checkpoint import on_mesh_of
-from monarch.runtime.session import session_of
-from monarch.runtime.tensors import distribute_tensor, fetch
+from monarch.runtime.control.futures import Future
+from monarch.runtime.session.torch_state import on_mesh_of
+from monarch.runtime.session.session import session_of
+from monarch.runtime.session.api import distribute_tensor, fetch
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard, normalize
 
@@ -214,7 +214,7 @@ def _adopt(module: nn.Module, mesh: Any, dims: dict[str, Placement], memo: Memo)
 
 def _gather_foreign(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
     """load_state_dict pre-hook: a MeshTensor value not on its target's mesh is gathered first (copy_ then
-    places it like the target; the optimizer's counterpart is monarch.runtime.checkpoint)."""
+    places it like the target; the optimizer's counterpart is monarch.runtime.session.torch_state)."""
     for name, target in module.state_dict(keep_vars=True).items():
         value = state_dict.get(prefix + name)
         if isinstance(value, MeshTensor) and not on_mesh_of(value, target):

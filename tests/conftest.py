@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from monarch.actor import ProcMesh, this_host
-from monarch.runtime.controller import controller
+from monarch.runtime.control.controller import controller
 
 
 def owned_processes(owner: int) -> dict[int, str]:
@@ -49,7 +49,7 @@ def _open_mesh_pids() -> set[int]:
 
 
 def _controller_started() -> bool:
-    from monarch.runtime import controller as ctl
+    from monarch.runtime.control import controller as ctl
     return ctl._controller is not None
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from monarch.runtime.reference import LocalMesh
-from monarch.runtime.shape import Shape
+from monarch.runtime.session.local import LocalMesh
+from monarch.shape import Shape
 from monarch.tensor import Partial, Placement, Replicate, Shard
 
 DIM_NAMES = ("dp", "tp", "pp", "ep", "cp", "sp", "x", "y", "z")

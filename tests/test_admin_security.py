@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 import monarch
 from monarch.actor import Actor, ProcMesh, endpoint
-from monarch.runtime import admin
-from monarch.runtime.telemetry import Events
-from monarch.runtime.telemetry_db import QueryRefused, Store
+from monarch.runtime.telemetry import admin
+from monarch.runtime.telemetry.events import Events
+from monarch.runtime.telemetry.store import QueryRefused, Store
 
 T = 30.0
 READS = ["SELECT count(*) FROM memory", "WITH x AS (SELECT 1 AS a) SELECT a FROM x", "DESCRIBE messages",

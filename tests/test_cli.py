@@ -17,8 +17,8 @@ import pytest
 from rich.console import Console
 from textual.widgets import Static
 
-from monarch.runtime.admin import TOKEN_BYTES, announce_dir, recv_json, send_json
-from monarch.top import SqlPrompt, Top
+from monarch.runtime.telemetry.admin import TOKEN_BYTES, announce_dir, recv_json, send_json
+from monarch.runtime.telemetry.top import SqlPrompt, Top
 from test_supervision import _run_script
 
 T = 60

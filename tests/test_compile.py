@@ -9,8 +9,8 @@ import torch
 
 import monarch
 from monarch import Shard
-from monarch.runtime.controller import controller
-from monarch.runtime.reference import LocalMesh
+from monarch.runtime.control.controller import controller
+from monarch.runtime.session.local import LocalMesh
 
 MESHES = [{"dp": 2}, {"tp": 2}, {"dp": 2, "tp": 2}]
 OPTIMIZERS = [(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), (torch.optim.AdamW, {"lr": 0.01}),

@@ -9,9 +9,9 @@ import pytest
 
 from monarch.actor import Actor, ProcMesh, endpoint
 from monarch.errors import TransportError
-from monarch.runtime import codec
-from monarch.runtime.commands import Hello, Reply
-from monarch.runtime.controller import controller
+from monarch.runtime.control import codec
+from monarch.runtime.control.commands import Hello, Reply
+from monarch.runtime.control.controller import controller
 
 T = 30
 
@@ -89,7 +89,7 @@ def test_wrong_token_is_rejected_before_decoding(echo, caplog: pytest.LogCapture
 
 
 def test_silent_peer_is_dropped_after_the_handshake_timeout(echo, monkeypatch: pytest.MonkeyPatch) -> None:
-    from monarch.runtime import controller as ctl
+    from monarch.runtime.control import controller as ctl
     monkeypatch.setattr(ctl, "HANDSHAKE_TIMEOUT", 0.2)
     with _peer(b"MNR1") as sock:
         t0 = time.monotonic()

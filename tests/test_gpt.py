@@ -14,7 +14,7 @@ from torch import nn
 
 import monarch
 from monarch import MeshTensor, Replicate, Shard
-from monarch.runtime.reference import LocalMesh
+from monarch.runtime.session.local import LocalMesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import gpt  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 from conftest import owned_processes
 from monarch.actor import Actor, endpoint, this_host
 from monarch.errors import SupervisionError
-from monarch.runtime.controller import controller
+from monarch.runtime.control.controller import controller
 
 TIMEOUT = 1.5  # MONARCH_HEARTBEAT_TIMEOUT of the meshes these tests spawn
 MARGIN = 2.0  # detection may take this much longer than the timeout on a loaded machine

@@ -7,15 +7,15 @@ import pytest
 
 from monarch.actor import HostMesh, this_host
 from monarch.errors import MeshError
-from monarch.runtime import launch
-from monarch.runtime.bootstrap import TOKEN_ENV
-from monarch.runtime.shape import Shape
+from monarch.runtime.control import launch
+from monarch.runtime.control.bootstrap import TOKEN_ENV
+from monarch.shape import Shape
 
 
 def test_local_command_uses_the_fork_launcher() -> None:
     cmd = launch.command("/x/mpiexec", Shape.row_major(("dp", "tp"), (2, 2)), ["localhost"], "127.0.0.1:9", 3)
     assert cmd[:5] == ["/x/mpiexec", "-n", "4", "-launcher", "fork"]
-    assert cmd[5:8] == [sys.executable, "-m", "monarch.runtime.worker"]
+    assert cmd[5:8] == [sys.executable, "-m", "monarch.runtime.control.worker"]
     assert "dp=2,tp=2" in cmd and "127.0.0.1:9" in cmd
 
 

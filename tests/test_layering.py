@@ -16,13 +16,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "monarch"
-MAX_LINES = 600
-WORKER_SIDE = ("monarch.runtime.commands", "monarch.runtime.codec", "monarch.runtime.worker",
-               "monarch.runtime.bootstrap", "monarch.runtime.hosting", "monarch.runtime.shape",
-               "monarch.runtime.transport", "monarch.runtime.engine", "monarch.runtime.tensor_service",
-               "monarch.runtime.kernels", "monarch.runtime.collectives", "monarch.runtime.telemetry")
-TENSOR_MAY_IMPORT = ("monarch.errors", "monarch.config", "monarch.tensor")
-
+MAX_LINES = 450  # no module longer (ARCHITECTURE §6)
+MAX_MODULES = 12  # no folder holds more modules directly
+MAX_SHARE = 0.30  # no folder holds more of the package's lines directly
+BASE = ("monarch.errors", "monarch.config")  # what every layer may import
+CORE = ("monarch.tensor", "monarch.program", "monarch.shape")  # torch, the standard library, BASE, each other
+WORKER_SIDE = ("monarch.runtime.control", "monarch.runtime.actors", "monarch.runtime.engine",
+               "monarch.runtime.telemetry")  # never the compiler nor the controller's tensor session
+COMPILER_USERS = ("monarch.graph", "monarch.runtime.session", "monarch", "monarch.parallel")  # may import graph
+LAZY_DOWNWARD = {("monarch.runtime.control.worker", "monarch.runtime.engine.service"),
+                 ("monarch.__main__", "monarch.runtime.telemetry.top")}  # lazy imports that point down a layer
 
 @dataclass(frozen=True)
 class Import:
@@ -83,35 +86,70 @@ def modules_in(*packages: str) -> list[str]:
 
 
 def test_resolves_relative_and_nested_imports() -> None:
-    source = ("from . import codec\nfrom .shape import Shape\nfrom .. import errors\n"
+    source = ("from . import codec\nfrom .commands import Hello\nfrom ... import errors\n"
               "def f():\n    import monarch.graph.trace\n")
-    assert [i.module for i in imports_in(PACKAGE / "runtime" / "worker.py", source)] == [
-        "monarch.runtime.codec", "monarch.runtime.shape", "monarch.errors", "monarch.graph.trace"]
+    assert [i.module for i in imports_in(PACKAGE / "runtime" / "control" / "worker.py", source)] == [
+        "monarch.runtime.control.codec", "monarch.runtime.control.commands", "monarch.errors", "monarch.graph.trace"]
 
 
-def test_tensor_imports_only_torch_stdlib_errors_config() -> None:
-    def allowed(module: str) -> bool:
-        top = module.split(".")[0]
-        return top == "torch" or top in sys.stdlib_module_names or within(module, *TENSOR_MAY_IMPORT)
+def stdlib_or_torch(module: str) -> bool:
+    top = module.split(".")[0]
+    return top == "torch" or top in sys.stdlib_module_names
 
-    bad = violations(modules_in("monarch.tensor"), allowed)
+
+def test_core_imports_only_torch_stdlib_errors_config_and_each_other() -> None:
+    bad = violations(modules_in(*CORE), lambda m: stdlib_or_torch(m) or within(m, *BASE, *CORE))
     assert not bad, bad
 
 
-def test_graph_never_imports_runtime() -> None:
-    bad = violations(modules_in("monarch.graph"), lambda m: not within(m, "monarch.runtime"))
+def test_graph_imports_core_fx_and_networkx_never_runtime() -> None:
+    def allowed(m: str) -> bool:
+        return stdlib_or_torch(m) or m.split(".")[0] == "networkx" or within(m, *BASE, *CORE, "monarch.graph")
+
+    bad = violations(modules_in("monarch.graph"), allowed)
     assert not bad, bad
 
 
-def test_worker_side_never_imports_graph() -> None:
+def test_worker_side_never_imports_graph_or_session() -> None:
     worker_side = modules_in(*WORKER_SIDE)
-    assert "monarch.runtime.worker" in worker_side
-    bad = violations(worker_side, lambda m: not within(m, "monarch.graph"))
+    assert "monarch.runtime.control.worker" in worker_side
+    bad = violations(worker_side, lambda m: not within(m, "monarch.graph", "monarch.runtime.session"))
     assert not bad, bad
+
+
+def test_only_the_session_and_the_user_facing_modules_import_graph() -> None:
+    others = [m for m in MODULES if not any(m == p or within(m, p) and p != "monarch" for p in COMPILER_USERS)]
+    bad = violations(others, lambda m: not within(m, "monarch.graph"))
+    assert not bad, bad
+
+
+def test_no_import_cycles() -> None:
+    import networkx as nx
+    graph = nx.DiGraph()
+    for m, path in MODULES.items():
+        for imp in imports_in(path):
+            if imp.module in MODULES and imp.module != m and (m, imp.module) not in LAZY_DOWNWARD:
+                graph.add_edge(m, imp.module)
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c + c[:1]) for c in cycles[:10])
+
+
+def test_no_folder_is_too_big() -> None:
+    lines = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
+    total = sum(lines.values())
+    folders: dict[Path, list[str]] = {}
+    for m, p in MODULES.items():
+        if p.name != "__init__.py":
+            folders.setdefault(p.parent, []).append(m)
+    for folder, mods in folders.items():
+        where = folder.relative_to(ROOT)
+        assert len(mods) <= MAX_MODULES, f"{where}: {len(mods)} modules, more than {MAX_MODULES}"
+        share = sum(lines[m] for m in mods) / total
+        assert share <= MAX_SHARE, f"{where}: {share:.0%} of the package's lines, more than {MAX_SHARE:.0%}"
 
 
 def test_worker_start_up_loads_neither_compiler_nor_torch() -> None:
-    code = ("import monarch.runtime.worker, monarch.runtime.bootstrap, sys\n"
+    code = ("import monarch.runtime.control.worker, monarch.runtime.control.bootstrap, sys\n"
             "bad = sorted(m for m in sys.modules if m.startswith('monarch.graph') or m == 'torch')\n"
             "assert not bad, bad\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -16,8 +16,8 @@ import monarch
 from conftest import owned_processes
 from monarch.actor import Actor, ActorMesh, ProcMesh, endpoint, this_host
 from monarch.errors import MonarchError, SpawnError, TransportError
-from monarch.runtime import futures
-from monarch.runtime.controller import controller
+from monarch.runtime.control import futures
+from monarch.runtime.control.controller import controller
 
 T = 30
 

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 import monarch
 from monarch import MeshTensor, Partial, Replicate, Shard
 from monarch.actor import Actor, ProcMesh, endpoint
-from monarch.runtime.reference import LocalMesh
-from monarch.runtime.session import Session, session_of
+from monarch.runtime.session.local import LocalMesh
+from monarch.runtime.session.session import Session, session_of
 from strategies import placement_tuples, tensor_shapes
 
 pytestmark = pytest.mark.filterwarnings("ignore:monarch. .* has no sharding rule")
@@ -255,7 +255,7 @@ class BufferCount(Actor):
 
     @endpoint
     def live(self) -> int:
-        from monarch.runtime.context import client
+        from monarch.runtime.control.client import client
         service = getattr(client(), "_tensors", None)
         return 0 if service is None else len(service.engine.store)
 

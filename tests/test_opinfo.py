@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import monarch
 from monarch.errors import MonarchError, SupervisionError
-from monarch.graph.rules import RULES, load_rules
-from monarch.runtime.futures import Future
+from monarch.graph.rules.table import RULES
+from monarch.runtime.control.futures import Future
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
 
@@ -295,7 +295,6 @@ def wrap(text: str) -> str:
 def run(procs: Any) -> Run:
     """Every OpInfo run once on the module's mesh (strict: an op without a rule fails instead of gathering)."""
     from torch.testing._internal.common_methods_invocations import op_db  # slow import; needs expecttest
-    load_rules()
     outcomes: dict[str, Outcome] = {}
     hung, start = "", time.monotonic()
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():

@@ -21,8 +21,8 @@ import monarch
 from monarch import (ColwiseParallel, MeshError, MeshTensor, Replicate, RowwiseParallel, SequenceParallel, Shard,
                      ShardingError)
 from monarch.actor import ProcMesh
-from monarch.runtime.reference import LocalMesh
-from monarch.runtime.session import session_of
+from monarch.runtime.session.local import LocalMesh
+from monarch.runtime.session.session import session_of
 
 T = 60.0  # seconds any single wait may take
 R = Replicate()

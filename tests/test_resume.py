@@ -18,7 +18,7 @@ from torch import nn
 import monarch
 from monarch import ColwiseParallel, MeshTensor, Replicate, RowwiseParallel
 from monarch.actor import ProcMesh
-from monarch.runtime.reference import LocalMesh
+from monarch.runtime.session.local import LocalMesh
 
 T = 60.0  # seconds any single wait may take
 N, K = 4, 2  # steps in all, steps before the checkpoint

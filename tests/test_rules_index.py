@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import monarch
 from monarch import config
-from monarch.graph.rules import RULES, OpCall
-from monarch.runtime.reference import LocalMesh
+from monarch.graph.rules.table import RULES, OpCall
+from monarch.runtime.session.local import LocalMesh
 from monarch.tensor import MeshTensor, Partial, Replicate, Shard
 from strategies import placement_tuples, tensor_shapes
 from test_rules_view import LINE, MESHES, SETTINGS, check, data, mesh_of, pairs, sharded, shipped, spec

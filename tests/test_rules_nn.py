@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 import monarch
 from monarch import Partial, Replicate, Shard
 from monarch.graph.propagate import decide
-from monarch.graph.rules import RULES, Emit, OpCall, Strategy, load_rules
-from monarch.tensor.instr import Buf, Local
+from monarch.graph.rules.table import RULES, Emit, OpCall, Strategy
+from monarch.program.instr import Buf, Local
 from monarch.tensor.spec import AbstractMesh, Spec
 from tests.strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
@@ -266,7 +266,6 @@ def emit_at(call: OpCall, coords: tuple[int, ...], args: tuple, outs: tuple[int,
 
 
 def test_rule_softmax_never_shards_its_dim() -> None:
-    load_rules()
     x = spec((4, 6, 5), Shard(2))
     call = OpCall(aten._softmax.default, (x, 2, False), {}, (x,), (spec((4, 6, 5)),))
     want = [Strategy((Shard(0),), (Shard(0),)), Strategy((Shard(1),), (Shard(1),))]
@@ -274,7 +273,6 @@ def test_rule_softmax_never_shards_its_dim() -> None:
 
 
 def test_rule_nll_mean_replicates_targets_and_divides_by_the_global_weight() -> None:
-    load_rules()
     x, t = spec((7, 5), Shard(0)), spec((7,), Shard(0), dtype=torch.int64)
     call = OpCall(aten.nll_loss_forward.default, (x, t, None, 1, IGNORE), {}, (x, t), (spec(()), spec(())))
     d = decide(call)
@@ -286,7 +284,6 @@ def test_rule_nll_mean_replicates_targets_and_divides_by_the_global_weight() -> 
 
 
 def test_rule_vocab_embedding_masks_and_covers_empty_pieces() -> None:
-    load_rules()
     w, ids = spec((3, 4), Shard(0)), spec((2, 5), dtype=torch.int64)  # rows 1, 1, 1, 0 per rank
     call = OpCall(aten.embedding.default, (w, ids), {}, (w, ids), (spec((2, 5, 4)),))
     assert Strategy((Shard(0), R), (P,)) in RULES[aten.embedding.default](call, 0)

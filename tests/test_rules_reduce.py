@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import monarch
 from monarch import Partial, Replicate, Shard
 from monarch.graph.propagate import decide
-from monarch.graph.rules import RULES, Emit, OpCall, Strategy, load_rules
-from monarch.tensor.instr import Buf
+from monarch.graph.rules.table import RULES, Emit, OpCall, Strategy
+from monarch.program.instr import Buf
 from monarch.tensor.spec import AbstractMesh, Spec
 from tests.strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
@@ -203,7 +203,6 @@ def spec(shape: tuple[int, ...], *placements: Any, dtype: torch.dtype = torch.fl
 
 
 def test_rule_lists_kept_and_partial_strategies() -> None:
-    load_rules()
     x, out = spec((4, 6, 5), Shard(1)), spec((6,))
     call = OpCall(aten.sum.dim_IntList, (x, [0, -1]), {}, (x,), (out,))
     strategies = RULES[aten.sum.dim_IntList](call, 0)
@@ -215,7 +214,6 @@ def test_rule_lists_kept_and_partial_strategies() -> None:
 
 
 def test_rule_mean_emits_sum_over_global_count() -> None:
-    load_rules()
     x, out = spec((5, 3), Shard(0)), spec((3,))
     call = OpCall(aten.mean.dim, (x, [0]), {}, (x,), (out,))
     d = decide(call)
@@ -227,7 +225,6 @@ def test_rule_mean_emits_sum_over_global_count() -> None:
 
 
 def test_rule_var_never_splits_a_reduced_dim() -> None:
-    load_rules()
     x = spec((4, 6), Shard(1))
     call = OpCall(aten.var.correction, (x, [1]), {"correction": 1}, (x,), (spec((4,)),))
     assert RULES[aten.var.correction](call, 0) == [Strategy((Shard(0),), (Shard(0),))]

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import monarch
-from monarch.graph.rules import RULES, Emit, OpCall, Strategy
-from monarch.graph.rules_view import aligned
+from monarch.graph.rules.table import RULES, Emit, OpCall, Strategy
+from monarch.graph.rules.view import aligned
 from monarch.tensor import AbstractMesh, MeshTensor, Partial, Replicate, Shard, Spec
-from monarch.tensor.instr import Buf
+from monarch.program.instr import Buf
 from strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 aten = torch.ops.aten

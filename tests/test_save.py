@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import monarch
-from monarch.runtime.reference import LocalMesh
+from monarch.runtime.session.local import LocalMesh
 
 
 class Holder:

@@ -17,8 +17,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from monarch.errors import MeshError
-from monarch.runtime.futures import ValueMesh
-from monarch.runtime.shape import Shape
+from monarch.runtime.control.futures import ValueMesh
+from monarch.shape import Shape
 from strategies import indices, mesh_shapes, raw_slices, row_major, selects, shapes, slice_args
 
 PROPERTY = settings(max_examples=80, deadline=None)

@@ -19,8 +19,8 @@ import monarch
 from monarch import Shard
 from monarch.actor import Actor, ProcMesh, endpoint, this_host
 from monarch.errors import SupervisionError
-from monarch.runtime.conn import TelemetrySink
-from monarch.runtime.telemetry import TABLES, now_us
+from monarch.runtime.control.conn import TelemetrySink
+from monarch.runtime.telemetry.events import TABLES, now_us
 
 T = 30.0
 
@@ -164,8 +164,8 @@ def test_every_table_exists_with_rank() -> None:
 
 
 def test_a_separate_store_loads_batches() -> None:
-    from monarch.runtime.telemetry import Events
-    from monarch.runtime.telemetry_db import Store
+    from monarch.runtime.telemetry.events import Events
+    from monarch.runtime.telemetry.store import Store
     store = Store()
     flat = [v for i in range(20_000) for v in (i % 4, "a", "ping", "controller", 100, i, i + 1, i + 2, "ok")]
     store.add(Events({"messages": flat[:5000 * 9]}), "one")
@@ -195,7 +195,7 @@ def test_events_become_opentelemetry_spans(procs: ProcMesh) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from monarch.runtime.telemetry_db import STORE
+    from monarch.runtime.telemetry.store import STORE
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
@@ -266,7 +266,7 @@ def test_recording_creates_no_objects_for_the_garbage_collector() -> None:
     """Always-on recording must not make the collector run (a full pass over torch's heap takes ~0.1 s)."""
     import gc
 
-    from monarch.runtime.telemetry import Recorder
+    from monarch.runtime.telemetry.events import Recorder
     recorder = Recorder()
     gc.disable()
     try:
@@ -294,7 +294,7 @@ def test_each_table_keeps_the_newest_rows_within_the_retention(monkeypatch: pyte
     child = _run_script("""
         import json, time
         from monarch.actor import Actor, endpoint, this_host
-        from monarch.runtime.telemetry import TABLES, now_us
+        from monarch.runtime.telemetry.events import TABLES, now_us
 
         class Talker(Actor):
             @endpoint
@@ -330,7 +330,7 @@ def test_each_table_keeps_the_newest_rows_within_the_retention(monkeypatch: pyte
 
 
 def test_a_remote_error_leaves_its_message_in_failures_and_top(procs: ProcMesh) -> None:
-    from monarch.runtime import telemetry
+    from monarch.runtime.telemetry import events as telemetry
     with pytest.raises(monarch.ActorError):
         procs.spawn("telemetry_refuse", Echo).slice(dp=1, tp=0).refuse.call_one().get(timeout=T)
     [(detail,)] = procs.sql("SELECT detail FROM failures WHERE what = 'telemetry_refuse.refuse'")

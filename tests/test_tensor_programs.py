@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import monarch
 from monarch.actor import ProcMesh, this_host
-from monarch.runtime.session import session_of
+from monarch.runtime.session.session import session_of
 from strategies import Program, programs, reference_mesh, run_program, tensor_meshes
 
 pytestmark = pytest.mark.filterwarnings("ignore:monarch. .* has no sharding rule")

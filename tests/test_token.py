@@ -12,8 +12,8 @@ import pytest
 
 from monarch.actor import Actor, endpoint, this_host
 from monarch.errors import SpawnError
-from monarch.runtime import bootstrap, launch
-from monarch.runtime.bootstrap import TOKEN_ENV
+from monarch.runtime.control import bootstrap, launch
+from monarch.runtime.control.bootstrap import TOKEN_ENV
 
 T = 30
 

@@ -13,7 +13,7 @@ import torch
 import monarch
 from monarch import MeshTensor, Shard
 from monarch.actor import ProcMesh, this_host
-from monarch.runtime.session import session_of
+from monarch.runtime.session.session import session_of
 
 T = 30.0  # seconds any single wait may take
 

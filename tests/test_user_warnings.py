@@ -14,7 +14,7 @@ import torch
 
 import monarch
 from monarch.graph import propagate
-from monarch.runtime.reference import LocalMesh
+from monarch.runtime.session.local import LocalMesh
 
 
 def recorded(fn: Callable[[], object]) -> list[warnings.WarningMessage]:

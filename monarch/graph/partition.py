@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import networkx as nx
 import torch.fx as fx
 
-from monarch.graph.rules import Emit, op_name
+from monarch.graph.rules.table import Emit, op_name
 from monarch.graph.trace import TracedGraph, redistribute
-from monarch.tensor.instr import Free, Instr, Local
+from monarch.program.instr import Free, Instr, Local
 
 
 @dataclass(frozen=True)

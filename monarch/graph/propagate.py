@@ -17,8 +17,8 @@ import torch
 
 from monarch import config
 from monarch.errors import UnsupportedOpError
-from monarch.graph.rules import (R, Emitter, OpCall, Rule, Strategy, all_replicated, load_rules, rule_for,
-                                 writes_first_arg)
+from monarch.graph.rules.table import (R, Emitter, OpCall, Rule, Strategy, all_replicated, rule_for,
+                                       writes_first_arg)
 from monarch.tensor.placement import Partial, Placement, Shard
 from monarch.tensor.spec import AbstractMesh, Spec
 
@@ -37,7 +37,6 @@ class Decision:
 
 
 def decide(call: OpCall) -> Decision:
-    load_rules()
     rule = rule_for(call.op)
     if rule is None:
         return _fallback(call)

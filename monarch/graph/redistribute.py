@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from monarch.tensor.instr import Buf, Comm, Local
+from monarch.program.instr import Buf, Comm, Local
 from monarch.tensor.placement import Partial, Placement, Placements, Replicate, Shard
 from monarch.tensor.spec import Spec
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from math import prod
 
 from monarch.graph.partition import RankProgram
-from monarch.tensor.instr import Buf, Comm, Instr, Local, Start, Wait
+from monarch.program.instr import Buf, Comm, Instr, Local, Start, Wait
 
 
 @dataclass

@@ -21,8 +21,8 @@ from torch.utils._mode_utils import no_dispatch
 from monarch.errors import ShapeError, UnsupportedOpError
 from monarch.graph.propagate import Decision, decide
 from monarch.graph.redistribute import Plan, emit_step, plan
-from monarch.graph.rules import Emit, OpCall, writes_first_arg
-from monarch.tensor.instr import Buf, Instr, Local
+from monarch.graph.rules.table import Emit, OpCall, writes_first_arg
+from monarch.program.instr import Buf, Instr, Local
 from monarch.tensor.meshtensor import Backend, MeshTensor
 from monarch.tensor.placement import Placements, Replicate
 from monarch.tensor.random import next_seed

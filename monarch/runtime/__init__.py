@@ -1,4 +1,5 @@
-"""The runtime: processes, the control plane, actors and supervision (see ARCHITECTURE §2, §3).
+"""The runtime, one sub-package per concern (ARCHITECTURE §2): `control` (the wire, both ends), `actors`,
+`engine` (worker side of tensors), `session` (controller side of tensors) and `telemetry`.
 
-Worker-side modules (commands, codec, worker, bootstrap, hosting) never import `monarch.graph`.
+Only `session` imports `monarch.graph`; a worker never loads the compiler.
 """

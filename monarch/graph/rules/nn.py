@@ -1,0 +1,187 @@
+"""Rules for neural-network ops: softmax and log_softmax, layer norm, embedding, nll_loss and nll_loss2d
+(and their backward ops), native_dropout; cross_entropy reaches dispatch as _log_softmax +
+nll_loss(2d)_forward, F.dropout on CPU tensors as a bernoulli_ mask (rules_factory) times the input.
+
+Rows stay sharded along dims the op does not mix (batch dims); parameter gradients summed over a
+sharded batch become Partial(sum). A vocab-sharded embedding looks up its own rows and masks the rest.
+"""
+from __future__ import annotations
+
+import torch
+
+from monarch.graph.rules.table import Emit, OpCall, R, Strategy, op_name, register_rule
+from monarch.graph.rules.factory import uniform_piece
+from monarch.program.instr import Buf, Local
+from monarch.tensor.placement import Partial, Placement, Shard
+from monarch.tensor.spec import Spec
+
+aten = torch.ops.aten
+P = Partial("sum")
+NONE, MEAN, SUM = 0, 1, 2  # nll_loss reductions
+
+
+def _rest(call: OpCall, first: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """`first` for the leading tensor inputs, R for the others (optional weights and biases)."""
+    return first + (R,) * (len(call.ins) - len(first))
+
+
+# -- softmax ----------------------------------------------------------------------------------------
+@register_rule(aten._softmax.default, aten._log_softmax.default)
+def softmax(call: OpCall, mdim: int) -> list[Strategy]:
+    x = call.ins[0]
+    dim = call.arg(1, "dim") % max(x.ndim, 1)
+    return [Strategy((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d != dim]
+
+
+@register_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def softmax_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    """Any dim but the softmax dim; linear in grad_output, so its Partial passes through."""
+    y = call.ins[1]
+    dim = call.arg(2, "dim") % max(y.ndim, 1)
+    strategies = [Strategy((Shard(d), Shard(d)), (Shard(d),)) for d in range(y.ndim) if d != dim]
+    return strategies + [Strategy((P, R), (P,))]
+
+
+# -- layer norm -------------------------------------------------------------------------------------
+def _batch_dims(call: OpCall, x: int, shape_arg: int) -> range:
+    """Leading dims of input `x` that the normalization does not cover."""
+    return range(call.ins[x].ndim - len(call.arg(shape_arg, "normalized_shape")))
+
+
+@register_rule(aten.native_layer_norm.default)
+def layer_norm(call: OpCall, mdim: int) -> list[Strategy]:
+    return [Strategy(_rest(call, (Shard(d),)), (Shard(d),) * 3) for d in _batch_dims(call, 0, 1)]
+
+
+@register_rule(aten.native_layer_norm_backward.default)
+def layer_norm_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    """grad_input follows the batch shard; grad_weight and grad_bias sum over the batch: Partial."""
+    mask = call.arg(7, "output_mask")
+    strategies = []
+    for d in _batch_dims(call, 1, 2):
+        outs = tuple(p for p, on in zip((Shard(d), P, P), mask, strict=True) if on)
+        strategies.append(Strategy(_rest(call, (Shard(d),) * 4), outs))
+    return strategies + [Strategy(_rest(call, (P,)), (P,) * len(call.outs))]
+
+
+# -- embedding --------------------------------------------------------------------------------------
+@register_rule(aten.embedding.default)
+def embedding(call: OpCall, mdim: int) -> list[Strategy]:
+    """Ids sharded: output rows too. Weight sharded on the feature dim: the output's last dim. Weight
+    sharded on the vocab: each rank looks up the ids it holds, zeros elsewhere: Partial(sum)."""
+    ids, out = call.ins[1], call.outs[0]
+    strategies = [Strategy((R, Shard(k)), (Shard(k),)) for k in range(ids.ndim)]
+    return strategies + [Strategy((Shard(1), R), (Shard(out.ndim - 1),)), Strategy((P, R), (P,)),
+                         Strategy((Shard(0), R), (P,), emit_vocab_embedding)]
+
+
+def emit_vocab_embedding(ctx: Emit) -> list[Local]:
+    """Look up ids in this rank's vocab rows [start, start+n); ids outside get zero rows. A rank with no
+    rows looks up a one-row zero table instead (every rank makes it when any rank needs it)."""
+    w = ctx.ins[0]
+    start, n = w.bounds(ctx.coords)[0]
+    shifted, clamped, outside, wide, table, found = (ctx.tmp() for _ in range(6))
+    instrs = [Local("aten::sub.Scalar", (ctx.args[1], start), {}, (shifted.id,)),
+              Local("aten::clamp", (shifted, 0, max(n - 1, 0)), {}, (clamped.id,)),
+              Local("aten::ne.Tensor", (shifted, clamped), {}, (outside.id,)),
+              Local("aten::unsqueeze", (outside, -1), {}, (wide.id,))]
+    weight = ctx.args[0]
+    if any(w.local_shape(c)[0] == 0 for c in w.mesh.coords()):
+        instrs.append(Local("aten::new_zeros", (weight, [1, w.local_shape(ctx.coords)[1]]), {}, (table.id,)))
+        weight = weight if n else table
+    return instrs + [Local("aten::embedding", (weight, clamped), {}, (found.id,)),
+                     Local("aten::masked_fill.Scalar", (found, wide, 0), {}, ctx.out_ids)]
+
+
+@register_rule(aten.embedding_dense_backward.default)
+def embedding_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    """Batch-sharded ids and grads give a Partial weight grad (unless scaled by global id counts)."""
+    grad, ids = call.ins
+    strategies = [Strategy((Shard(grad.ndim - 1), R), (Shard(1),)), Strategy((P, R), (P,))]
+    if not call.arg(4, "scale_grad_by_freq"):
+        strategies += [Strategy((Shard(k), Shard(k)), (P,)) for k in range(ids.ndim)]
+    return strategies
+
+
+# -- nll_loss ---------------------------------------------------------------------------------------
+def batch_pairs(x: Spec) -> list[tuple[int, int]]:
+    """(input dim, target dim) of each batch dim: N of (N, C), and N, H, W of nll_loss2d's (N, C, H, W)."""
+    return [] if x.ndim < 2 else [(0, 0), *((d, d - 1) for d in range(2, x.ndim))]
+
+
+@register_rule(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def nll_loss(call: OpCall, mdim: int) -> list[Strategy]:
+    """Batch-sharded: reduction none keeps the shard, sum gives Partial; mean needs the global
+    total_weight, so the target is replicated and each rank divides its own sum by it. The loss is
+    linear in the input, so a Partial input gives a Partial loss."""
+    reduction = call.arg(3, "reduction")
+    strategies = [Strategy(_rest(call, (P,)), (P, R))]
+    for d, t in batch_pairs(call.ins[0]):
+        strategies.append({NONE: Strategy(_rest(call, (Shard(d), Shard(t))), (Shard(t), R)),
+                           SUM: Strategy(_rest(call, (Shard(d), Shard(t))), (P, P)),
+                           MEAN: Strategy(_rest(call, (Shard(d), R)), (P, R), emit_nll_mean)}[reduction])
+    return strategies
+
+
+def emit_nll_mean(ctx: Emit) -> list[Local]:
+    """This rank's summed loss over its rows, divided by the total weight of the whole target."""
+    x, weight, ignore = ctx.ins[0], ctx.args[2], ctx.call.arg(4, "ignore_index")
+    target = mine = ctx.args[1]
+    instrs = []
+    for d, t in batch_pairs(x):
+        start, n = x.bounds(ctx.coords)[d]
+        piece = ctx.tmp()
+        instrs.append(Local("aten::slice.Tensor", (mine, t, start, start + n), {}, (piece.id,)))
+        mine = piece
+    summed, own_weight, total = ctx.tmp(), ctx.tmp(), Buf(ctx.out_ids[1])
+    return instrs + [
+        Local(op_name(ctx.call.op), (ctx.args[0], mine, weight, SUM, ignore), {}, (summed.id, own_weight.id)),
+        *_total_weight(ctx, target, weight, ignore, total),
+        Local("aten::div.Tensor", (summed, total), {}, (ctx.out_ids[0],))]
+
+
+def _total_weight(ctx: Emit, target: Buf, weight: Buf | None, ignore: int, out: Buf) -> list[Local]:
+    """sum of weight[t] over the targets t that are not ignore_index (their count without weights)."""
+    counted = ctx.tmp()
+    instrs = [Local("aten::ne.Scalar", (target, ignore), {}, (counted.id,))]
+    if weight is not None:
+        safe, picked, kept = ctx.tmp(), ctx.tmp(), ctx.tmp()
+        instrs += [Local("aten::mul.Tensor", (target, counted), {}, (safe.id,)),
+                   Local("aten::take", (weight, safe), {}, (picked.id,)),
+                   Local("aten::mul.Tensor", (picked, counted), {}, (kept.id,))]
+        counted = kept
+    return instrs + [Local("aten::sum.default", (counted,), {"dtype": ctx.outs[1].dtype}, (out.id,))]
+
+
+@register_rule(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    """Rows follow the batch shard: grad_output too for reduction none, else it is a replicated
+    scalar; only mean reads total_weight (the last input), which must then be the global one."""
+    reduction, tw = call.arg(4, "reduction"), call.ins[-1]
+    total = R if reduction == MEAN else tw.placements[mdim]
+    strategies = [Strategy(_rest(call, (P,))[:-1] + (total,), (P,))]
+    for d, t in batch_pairs(call.ins[1]):
+        g = Shard(t) if reduction == NONE else R
+        strategies.append(Strategy(_rest(call, (g, Shard(d), Shard(t)))[:-1] + (total,), (Shard(d),)))
+    return strategies
+
+
+# -- dropout ----------------------------------------------------------------------------------------
+@register_rule(aten.native_dropout.default)
+def native_dropout(call: OpCall, mdim: int) -> list[Strategy]:
+    """The mask is this rank's piece of one global draw (the same on any placement); the output is linear
+    in the input, so a Partial input gives a Partial output with a replicated mask."""
+    emit = None if call.arg(2, "train") is False else emit_dropout  # eval: the input and a mask of ones
+    strategies = [Strategy((Shard(d),), (Shard(d),) * 2, emit) for d in range(call.ins[0].ndim)]
+    return strategies + [Strategy((P,), (P, R), emit), Strategy((R,), (R, R), emit)]
+
+
+def emit_dropout(ctx: Emit) -> list[Local]:
+    """mask = u < 1 - p, output = input * mask / (1 - p), as torch's native_dropout."""
+    keep = 1.0 - ctx.call.arg(1, "p")
+    draw, u = uniform_piece(ctx, ctx.outs[1])
+    out, mask = ctx.out_ids
+    kept = ctx.tmp()
+    return [draw, Local("aten::lt.Scalar", (u, keep), {}, (mask,)),
+            Local("aten::mul.Tensor", (ctx.args[0], Buf(mask)), {}, (kept.id,)),
+            Local("aten::mul.Scalar", (kept, 1.0 / keep if keep else 0.0), {}, (out,))]

@@ -1,0 +1,121 @@
+"""Rules for reductions: sum, mean, prod, amax/amin, max/min, argmax/argmin, var/std, any/all.
+
+A dim that is not reduced keeps its shard (renumbered when keepdim=False). Over a sharded reduced dim,
+ops that combine per-piece results run on each piece and leave a Partial output: sum and mean give
+P(sum), amax/max/any P(max), amin/min/all P(min), prod P(prod); a Partial input of that same kind
+passes through. The others (argmax, max.dim's indices, var/std) gather their reduced dims.
+"""
+from __future__ import annotations
+
+import torch
+
+from monarch.graph.rules.table import Emit, Emitter, OpCall, OpOverload, Strategy, op_name, register_rule
+from monarch.program.instr import Local
+from monarch.tensor.placement import Partial, Shard
+
+aten = torch.ops.aten
+P, MAX, MIN, PROD = Partial("sum"), Partial("max"), Partial("min"), Partial("prod")
+
+# ops whose pieces' results combine into the whole result, and how
+COMBINE: dict[OpOverload, Partial] = {
+    aten.all.default: MIN, aten.all.dim: MIN, aten.all.dims: MIN,
+    aten.amax.default: MAX, aten.amin.default: MIN,
+    aten.any.default: MAX, aten.any.dim: MAX, aten.any.dims: MAX,
+    aten.max.default: MAX, aten.mean.default: P, aten.mean.dim: P, aten.min.default: MIN,
+    aten.prod.default: PROD, aten.prod.dim_int: PROD, aten.sum.default: P, aten.sum.dim_IntList: P,
+}
+# ops that must see a reduced dim whole
+GATHER = sorted([
+    aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim,
+    aten.std.correction, aten.std.default, aten.std.dim, aten.std_mean.correction, aten.std_mean.default,
+    aten.std_mean.dim, aten.var.correction, aten.var.default, aten.var.dim, aten.var_mean.correction,
+    aten.var_mean.default, aten.var_mean.dim,
+], key=str)
+EMPTY_MEANS_NONE = {aten.any.dims, aten.all.dims}  # dim=[] reduces nothing (elsewhere: everything)
+MEANS = {aten.mean.default, aten.mean.dim}
+EXTREMES = {aten.amax.default, aten.amin.default, aten.max.default, aten.min.default}  # fail on empty pieces
+
+
+def reduction(call: OpCall) -> tuple[frozenset[int], bool]:
+    """The input dims the op reduces, and its keepdim flag."""
+    names = [a.name for a in call.op._schema.arguments]
+    x = call.ins[0]
+    dim = call.arg(names.index("dim"), "dim") if "dim" in names else None
+    keep = bool(call.arg(names.index("keepdim"), "keepdim", False)) if "keepdim" in names else False
+    if isinstance(dim, int):
+        dim = [dim]
+    if dim is None or (not dim and call.op not in EMPTY_MEANS_NONE):
+        dim = range(x.ndim)
+    return frozenset(d % x.ndim for d in dim) if x.ndim else frozenset(), keep
+
+
+def out_dim(d: int, reduced: frozenset[int], keep: bool) -> int:
+    """Where input dim d (not reduced) lands in the output."""
+    return d if keep else d - sum(r < d for r in reduced)
+
+
+def kept(call: OpCall, mdim: int) -> list[Strategy]:
+    """A shard of a dim the op does not reduce stays on that dim of every output (the whole rule of
+    the ops that gather their reduced dims)."""
+    reduced, keep = reduction(call)
+    n_out = len(call.outs)
+    return [Strategy((Shard(d),), (Shard(out_dim(d, reduced, keep)),) * n_out)
+            for d in range(call.ins[0].ndim) if d not in reduced]
+
+
+def combined(call: OpCall, mdim: int) -> list[Strategy]:
+    """Kept shards; a sharded reduced dim gives COMBINE[op]; a Partial of that kind passes through."""
+    x, out = call.ins[0], call.outs[0]
+    partial = COMBINE[call.op]
+    strategies = kept(call, mdim)
+    strategies += [Strategy((Shard(d),), (partial,), EMITTERS.get(call.op)) for d in sorted(reduction(call)[0])]
+    if x.placements[mdim] == partial and (x.dtype == torch.bool) == (out.dtype == torch.bool):
+        strategies.append(Strategy((partial,), (partial,)))
+    return strategies
+
+
+def emit_mean(ctx: Emit) -> list[Local]:
+    """sum over the local piece divided by the global count: a correct P(sum) even for uneven shards."""
+    reduced, keep = reduction(ctx.call)
+    x = ctx.call.ins[0]
+    count = 1
+    for d in reduced:
+        count *= x.shape[d]
+    dtype = ctx.kwargs.get("dtype")
+    tmp = ctx.tmp()
+    return [Local("aten::sum.dim_IntList", (ctx.args[0], sorted(reduced), keep),
+                  {"dtype": dtype} if dtype is not None else {}, (tmp.id,)),
+            Local("aten::div.Scalar", (tmp, count), {}, ctx.out_ids)]
+
+
+def emit_extreme(ctx: Emit) -> list[Local]:
+    """amax/amin/max/min; when some rank's piece of a reduced dim is empty, every rank first pads its
+    piece with the identity of the reduction (one element on empty reduced dims, none elsewhere)."""
+    reduced, _ = reduction(ctx.call)
+    x = ctx.ins[0]
+    if not any(x.local_shape(c)[d] == 0 for c in x.mesh.coords() for d in reduced):
+        return ctx.default()
+    local = x.local_shape(ctx.coords)
+    pads = [p for d in reversed(range(x.ndim)) for p in (0, int(d in reduced and local[d] == 0))]
+    tmp = ctx.tmp()
+    fill = identity(x.dtype, COMBINE[ctx.call.op].op)
+    return [Local("aten::constant_pad_nd", (ctx.args[0], pads, fill), {}, (tmp.id,)),
+            Local(op_name(ctx.call.op), (tmp, *ctx.args[1:]), ctx.kwargs, ctx.out_ids)]
+
+
+def identity(dtype: torch.dtype, op: str) -> bool | int | float:
+    """The value that max (op="max") or min (op="min") ignores."""
+    if dtype == torch.bool:
+        return op == "min"
+    if dtype.is_floating_point:
+        return float("-inf") if op == "max" else float("inf")
+    info = torch.iinfo(dtype)
+    return info.min if op == "max" else info.max
+
+
+EMITTERS: dict[OpOverload, Emitter] = {**{op: emit_mean for op in MEANS}, **{op: emit_extreme for op in EXTREMES}}
+
+for _op in sorted(COMBINE, key=str):
+    register_rule(_op)(combined)
+for _op in GATHER:
+    register_rule(_op)(kept)

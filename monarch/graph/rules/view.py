@@ -1,0 +1,256 @@
+"""Rules for view and shape ops: view, expand, transpose/t/permute, squeeze/unsqueeze, slice, select, split.
+
+A shard survives when its dim maps to an output dim whose pieces are exactly the images of the input's
+pieces, checked for every nesting over mesh dims (uneven pieces included); otherwise that dim must be
+replicated. These ops only move data, so they pass `Partial` through. Size and slice arguments are
+global: their emitters rewrite them per rank.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from monarch.graph.rules.table import Emit, Emitter, OpCall, R, Strategy, op_name, register_rule
+from monarch.program.instr import Local
+from monarch.tensor.placement import Shard, local_bounds
+from monarch.tensor.spec import Spec
+
+aten = torch.ops.aten
+Range = tuple[int, int]  # (start, length) of a piece along one dim
+Match = Callable[[Range, Range], bool]
+
+PERMUTING = sorted([aten.permute.default, aten.t.default, aten.transpose.int], key=str)
+RESHAPING = sorted([aten._unsafe_view.default, aten.view.default], key=str)
+SQUEEZING = sorted([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], key=str)
+DROPS = {aten.select.int, aten.unbind.int}  # ops whose output loses `dim`
+DROPPING = sorted([aten.select.int, aten.split.Tensor, aten.split.default, aten.split.sizes,
+                   aten.split_with_sizes.default, aten.unbind.int], key=str)
+
+
+# -- shared helpers (also used by rules_index and rules_factory) -------------------------------------
+def aligned(x: Spec, i: int, n_out: int, mdim: int, match: Match) -> bool:
+    """Whether mesh dim `mdim` may map a shard of x's dim i onto an output dim of n_out elements.
+
+    `match(input piece, output piece)` must hold at every mesh point for every set of mesh dims that may
+    shard dim i together (nesting in mesh-dim order). Mesh dims are admitted one at a time, those that
+    shard dim i now first, each only if every nest it forms with those admitted before it matches.
+    """
+    sizes = x.mesh.sizes
+    if sizes[mdim] == 1:
+        return True
+    order = sorted((e for e, k in enumerate(sizes) if k > 1), key=lambda e: (x.placements[e] != Shard(i), e))
+    admitted: list[int] = []
+    for e in order:
+        if all(_nest_matches(x.shape[i], n_out, sizes, sorted((e, *t)), match)
+               for r in range(len(admitted) + 1) for t in itertools.combinations(admitted, r)):
+            admitted.append(e)
+        if e == mdim:
+            return e in admitted
+    raise AssertionError(f"mesh dim {mdim} of sizes {sizes} not visited")
+
+
+def _nest_matches(n_in: int, n_out: int, sizes: Sequence[int], nest: list[int], match: Match) -> bool:
+    ks = [sizes[e] for e in nest]
+    shards = (Shard(0),) * len(ks)
+    for coords in itertools.product(*(range(k) for k in ks)):
+        a = local_bounds((n_in,), shards, ks, coords)[0]
+        b = local_bounds((n_out,), shards, ks, coords)[0]
+        if not (a[1] == b[1] == 0 or match(a, b)):
+            return False
+    return True
+
+
+def partials(call: OpCall, mdim: int, carriers: Iterable[int] | None = None,
+             emit: Emitter | None = None) -> list[Strategy]:
+    """`P -> P` for ops linear in the `carriers` inputs (default all; the others replicated)."""
+    carry = set(range(len(call.ins)) if carriers is None else carriers)
+    found = sorted({call.ins[i].placements[mdim] for i in carry if call.ins[i].placements[mdim].is_partial()}, key=repr)
+    return [Strategy(tuple(p if i in carry else R for i in range(len(call.ins))), (p,) * len(call.outs), emit)
+            for p in found]
+
+
+def follow(call: OpCall, mdim: int, dims: dict[int, int], emit: Emitter | None = None) -> list[Strategy]:
+    """One-input data movement: `S(i) -> S(dims[i])` on every output, plus Partial pass-through."""
+    n_out = len(call.outs)
+    moved = [Strategy((Shard(i),), (Shard(o),) * n_out, emit) for i, o in sorted(dims.items())]
+    return moved + partials(call, mdim, emit=emit)
+
+
+def resized(ctx: Emit, name: str | None = None) -> list[Local]:
+    """The op (or kernel `name`) with its size argument (args[1]) replaced by this rank's output shape."""
+    args = (ctx.args[0], list(ctx.local_out_shape()), *ctx.args[2:])
+    return [Local(name or op_name(ctx.call.op), args, ctx.kwargs, ctx.out_ids)]
+
+
+def kept(ndim: int, skip: int, drops: bool) -> dict[int, int]:
+    """Input dim -> output dim for every dim but `skip`, which disappears from the output if `drops`."""
+    return {k: k - (drops and k > skip) for k in range(ndim) if k != skip}
+
+
+# -- view / _unsafe_view / view.dtype ----------------------------------------------------------------
+def view_dims(x: Spec, dst: Sequence[int], mdim: int) -> dict[int, int]:
+    """Input dim -> output dim whose pieces hold exactly the same elements (same outer product, aligned)."""
+    found = {}
+    src = x.shape
+    for i, n in enumerate(src):
+        outer, inner = math.prod(src[:i]), math.prod(src[i + 1:])
+        for o, m in enumerate(dst):
+            inner_o = math.prod(dst[o + 1:])
+            if (n > 1 and m > 1 and math.prod(dst[:o]) == outer and n * inner == m * inner_o
+                    and aligned(x, i, m, mdim, _blocks(inner, inner_o))):
+                found[i] = o
+                break
+    return found
+
+
+def _blocks(inner_in: int, inner_out: int) -> Match:
+    return lambda a, b: (a[0] * inner_in, a[1] * inner_in) == (b[0] * inner_out, b[1] * inner_out)
+
+
+@register_rule(*RESHAPING)
+def view(call: OpCall, mdim: int) -> list[Strategy]:
+    x, out = call.ins[0], call.outs[0]
+    return follow(call, mdim, view_dims(x, out.shape, mdim), resized)
+
+
+@register_rule(aten.view.dtype)
+def view_dtype(call: OpCall, mdim: int) -> list[Strategy]:
+    """Reinterpreting bits: the last dim scales by the itemsize ratio; not linear, so no Partial.
+
+    Viewing as a wider dtype fails on an empty piece (its strides are arbitrary), so then every piece of
+    the last dim must be whole and non-empty: divisible by the ratio times the mesh size.
+    """
+    x, out = call.ins[0], call.outs[0]
+    dims = {k: k for k in range(x.ndim - 1)}
+    grow = out.dtype.itemsize // x.dtype.itemsize
+    last = x.ndim - 1
+    if x.ndim and (x.shape[last] % (grow * x.mesh.numel) == 0 if grow > 1 else
+                   aligned(x, last, out.shape[last], mdim, _blocks(x.dtype.itemsize, out.dtype.itemsize))):
+        dims[last] = last
+    return [Strategy((Shard(i),), (Shard(o),)) for i, o in dims.items()]
+
+
+# -- expand, permutations, squeeze, unsqueeze --------------------------------------------------------
+@register_rule(aten.expand.default)
+def expand(call: OpCall, mdim: int) -> list[Strategy]:
+    x, out = call.ins[0], call.outs[0]
+    off = out.ndim - x.ndim
+    dims = {k: k + off for k, n in enumerate(x.shape) if n > 1 and n == out.shape[k + off]}
+    return follow(call, mdim, dims, resized)
+
+
+@register_rule(*PERMUTING)
+def permute(call: OpCall, mdim: int) -> list[Strategy]:
+    return follow(call, mdim, {src: dst for dst, src in enumerate(_permutation(call))})
+
+
+def _permutation(call: OpCall) -> list[int]:
+    """perm[j]: the input dim that output dim j comes from."""
+    n = call.ins[0].ndim
+    perm = list(range(n))
+    if call.op == aten.permute.default:
+        return [d % n for d in call.arg(1, "dims")]
+    if call.op == aten.transpose.int:
+        a, b = call.arg(1, "dim0") % max(n, 1), call.arg(2, "dim1") % max(n, 1)
+    else:
+        a, b = (0, 1) if n == 2 else (0, 0)
+    if n:
+        perm[a], perm[b] = perm[b], perm[a]
+    return perm
+
+
+@register_rule(*SQUEEZING)
+def squeeze(call: OpCall, mdim: int) -> list[Strategy]:
+    """Only dims of global size 1 go; the kernel names them, since a piece may have size 1 elsewhere."""
+    x = call.ins[0]
+    gone = _squeezed(call)
+    dims = {k: k - sum(g < k for g in gone) for k in range(x.ndim) if k not in gone}
+    return follow(call, mdim, dims, _squeeze_emit)
+
+
+def _squeezed(call: OpCall) -> list[int]:
+    x = call.ins[0]
+    asked: Iterable[int]
+    if call.op == aten.squeeze.default:
+        asked = range(x.ndim)
+    elif call.op == aten.squeeze.dim:
+        asked = [call.arg(1, "dim")]
+    else:
+        asked = call.arg(1, "dim")
+    return sorted({d % x.ndim for d in asked if x.ndim and x.shape[d % x.ndim] == 1})
+
+
+def _squeeze_emit(ctx: Emit) -> list[Local]:
+    return [Local("aten::squeeze.dims", (ctx.args[0], _squeezed(ctx.call)), {}, ctx.out_ids)]
+
+
+@register_rule(aten.unsqueeze.default)
+def unsqueeze(call: OpCall, mdim: int) -> list[Strategy]:
+    x = call.ins[0]
+    new = call.arg(1, "dim") % (x.ndim + 1)
+    return follow(call, mdim, {k: k + (k >= new) for k in range(x.ndim)})
+
+
+# -- slice, select, unbind, split --------------------------------------------------------------------
+@register_rule(aten.slice.Tensor)
+def slice_(call: OpCall, mdim: int) -> list[Strategy]:
+    """Other dims keep their shard; the sliced dim too when each piece's slice is the output's piece."""
+    x, out = call.ins[0], call.outs[0]
+    dim, start, step = _slice_args(call)
+    dims = {k: k for k in range(x.ndim)}
+    m = out.shape[dim]
+    if not aligned(x, dim, m, mdim, lambda a, b: _image(a, start, step, m) == b):
+        del dims[dim]
+    return follow(call, mdim, dims, _slice_emit)
+
+
+def _slice_args(call: OpCall) -> tuple[int, int, int]:
+    """(dim, first index, step) of a slice call, with torch's clamping of start and end."""
+    x = call.ins[0]
+    dim = call.arg(1, "dim", 0) % x.ndim
+    step = call.arg(4, "step", 1)
+    start, _, _ = slice(call.arg(2, "start"), call.arg(3, "end"), step).indices(x.shape[dim])
+    return dim, start, step
+
+
+def _image(piece: Range, start: int, step: int, m: int) -> Range:
+    """Output indices t in [0, m) whose source start + t*step lies in the input piece."""
+    s, n = piece
+    lo = min(max(-(-(s - start) // step), 0), m)
+    hi = min(max(-(-(s + n - start) // step), 0), m)
+    return lo, max(hi - lo, 0)
+
+
+def _slice_emit(ctx: Emit) -> list[Local]:
+    """This rank's slice of its own piece: the output piece's first source index, relative to the piece."""
+    dim, start, step = _slice_args(ctx.call)
+    s_in = ctx.ins[0].bounds(ctx.coords)[dim][0]
+    s_out, n_out = ctx.outs[0].bounds(ctx.coords)[dim]
+    first = start + s_out * step - s_in if n_out else 0
+    end = first + (n_out - 1) * step + 1 if n_out else 0
+    return [Local(op_name(ctx.call.op), (ctx.args[0], dim, first, end, step), {}, ctx.out_ids)]
+
+
+@register_rule(*DROPPING)
+def select_split(call: OpCall, mdim: int) -> list[Strategy]:
+    """select/unbind drop `dim`, split keeps it; either way `dim` itself must be replicated."""
+    x = call.ins[0]
+    drops = call.op in DROPS
+    dim = call.arg(1 if drops else 2, "dim", 0) % x.ndim
+    return follow(call, mdim, kept(x.ndim, dim, drops))
+
+
+# -- slice_backward / select_backward: a gradient placed into zeros of the input's shape --------------
+@register_rule(aten.slice_backward.default, aten.select_backward.default)
+def placed_back(call: OpCall, mdim: int) -> list[Strategy]:
+    """Every dim but `dim` keeps the gradient's shard; the zeros are sized per rank."""
+    out = call.outs[0]
+    dim = call.arg(2, "dim") % out.ndim
+    if call.op is aten.select_backward.default:
+        dims = {k: k + (k >= dim) for k in range(call.ins[0].ndim)}
+    else:
+        dims = {k: k for k in range(out.ndim) if k != dim}
+    return follow(call, mdim, dims, resized)

@@ -1,0 +1,96 @@
+"""Actor mesh references and the call adverbs (call, call_one, choose, broadcast, stream).
+
+An `ActorMesh` names actors on a view of a proc mesh; it is picklable, so an actor can receive one
+and call it (the worker then forwards through the controller). Sending goes through the process's
+client (`context.client()`), which is how the same reference works on the controller and on workers.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+from monarch.errors import MeshError
+from monarch.runtime.control import codec
+from monarch.runtime.control.commands import CONTROLLER, Call
+from monarch.runtime.control.client import client
+from monarch.runtime.control.futures import CallState, Future, ValueMesh, mesh_result, one_result, stream_futures
+from monarch.shape import MeshView, Shape
+
+
+class ActorMesh(MeshView):
+    """Actors `name` of class `cls_name`, one per point of `shape` (a view of proc mesh `mesh_id`)."""
+
+    def __init__(self, mesh_id: int, name: str, cls_name: str, endpoints: frozenset[str], shape: Shape) -> None:
+        self._mesh_id = mesh_id
+        self._name = name
+        self._cls_name = cls_name
+        self._endpoints = endpoints
+        self._shape = shape
+
+    def _with_shape(self, shape: Shape) -> ActorMesh:
+        return ActorMesh(self._mesh_id, self._name, self._cls_name, self._endpoints, shape)
+
+    def __getattr__(self, attr: str) -> EndpointRef:
+        if attr.startswith("_") or attr not in self._endpoints:
+            raise AttributeError(f"actor class {self._cls_name} has no endpoint {attr!r}; "
+                                 f"its endpoints are {sorted(self._endpoints)}")
+        return EndpointRef(self, attr)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ActorMesh, (self._mesh_id, self._name, self._cls_name, self._endpoints, self._shape))
+
+    def __repr__(self) -> str:
+        return f"<ActorMesh {self._name!r} of {self._cls_name} {self.extent}>"
+
+
+class EndpointRef:
+    """One endpoint of an actor mesh view, with the ways to call it."""
+
+    def __init__(self, mesh: ActorMesh, name: str) -> None:
+        self._mesh = mesh
+        self._name = name
+
+    def _send(self, shape: Shape, args: tuple, kwargs: dict, want_reply: bool) -> tuple[CallState | None, Any]:
+        c = client()
+        what = f"{self._mesh._name}.{self._name}"
+        state = CallState(shape, what, (self._mesh._mesh_id, self._mesh._name)) if want_reply else None
+        call = Call(c.next_call_id(), CONTROLLER, self._mesh._name, self._name, codec.dumps((args, kwargs)), want_reply)
+        try:
+            c.send(self._mesh._mesh_id, shape, call, state)
+        except BaseException as e:
+            if state is not None:
+                state.fail_missing(e)  # never sent: no actor is busy with it
+            raise
+        return state, c
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
+        """Call every actor of the view; the Future holds a ValueMesh of their answers."""
+        state, c = self._send(self._mesh._shape, args, kwargs, True)
+        return Future(state, c, mesh_result)  # type: ignore[arg-type]
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call the only actor of a singleton view."""
+        shape = self._mesh._shape
+        if len(shape) != 1:
+            raise MeshError(f"call_one on {self._mesh._name}.{self._name} needs a mesh of one actor, this one has "
+                            f"{len(shape)} ({shape.extent}); slice it first, or use call() or choose()")
+        state, c = self._send(shape, args, kwargs, True)
+        return Future(state, c, one_result)  # type: ignore[arg-type]
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call one actor of the view, picked at random."""
+        shape = self._mesh._shape
+        point = shape.point(random.randrange(len(shape)))
+        single = shape.slice(**dict(zip(shape.labels, point.coords, strict=True)))
+        state, c = self._send(single, args, kwargs, True)
+        return Future(state, c, one_result)  # type: ignore[arg-type]
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Send to every actor of the view without waiting; failures are printed by the failing rank."""
+        self._send(self._mesh._shape, args, kwargs, False)
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
+        """Call every actor; yield one finished Future per actor, in the order they answer."""
+        state, c = self._send(self._mesh._shape, args, kwargs, True)
+        return stream_futures(state, c)  # type: ignore[arg-type]

@@ -1,0 +1,188 @@
+"""Worker start-up under mpiexec: find the rank, fork a monitor, join MPI, connect back, authenticate.
+
+The process mpiexec starts forks. The child becomes the worker (it joins MPI and serves the control
+plane); the parent stays a small monitor that prefixes the child's output with its mesh coordinates and,
+if the child dies abnormally, reports the exit status to the controller before exiting with it. The mesh
+token comes from this rank's token file (`--token-dir`, read and deleted at once), never from the
+environment on this host; only a rank on another host than the controller's gets it by environment.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import select
+import signal
+import socket
+import sys
+from collections import deque
+from contextlib import suppress
+from dataclasses import dataclass
+
+from monarch.runtime.control.codec import ROLE_MONITOR, ROLE_WORKER, Header, encode_frame
+from monarch.runtime.control.commands import Hello, ProcExit
+from monarch.shape import Shape
+
+TOKEN_ENV = "MONARCH_WORKER_TOKEN"  # how ranks on other hosts than the controller's get the token, for now
+_RANK_ENVS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+OWNER_CHECK_S = 1.0  # how often a monitor looks for its controller while the worker is quiet
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the controller told this process on its command line (and the token, from its file)."""
+    host: str
+    port: int
+    mesh_id: int
+    shape: Shape
+    token: bytes
+    rank: int
+    owner: int = 0  # the controller's pid: when it is gone, the worker is killed
+
+    @property
+    def local(self) -> bool:
+        """Whether the controller runs on this host (so that its pid means something here)."""
+        return self.host in ("localhost", "::1") or self.host.startswith("127.")
+
+    def header(self, role: int) -> bytes:
+        return Header(self.mesh_id, role, self.rank, self.token).encode()
+
+    def connect(self, timeout: float) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+
+@dataclass(frozen=True)
+class Boot:
+    """A started worker: its authenticated control socket and its rank."""
+    sock: socket.socket
+    rank: int
+
+
+def parse(argv: list[str]) -> Launch:
+    p = argparse.ArgumentParser(prog="python -m monarch.runtime.control.worker")
+    p.add_argument("--controller", required=True, help="host:port of the controller's control socket")
+    p.add_argument("--mesh-id", type=int, required=True)
+    p.add_argument("--dims", required=True, help="mesh dims, e.g. dp=2,tp=2")
+    p.add_argument("--owner", type=int, default=0, help="pid of the controller; the worker dies with it")
+    p.add_argument("--token-dir", default="", help="directory of the mesh's token files, one per rank")
+    a = p.parse_args(argv)
+    host, port = a.controller.rsplit(":", 1)
+    dims = [d.split("=") for d in a.dims.split(",") if d]
+    shape = Shape.row_major(tuple(k for k, _ in dims), tuple(int(v) for _, v in dims))
+    rank = next((int(os.environ[k]) for k in _RANK_ENVS if k in os.environ), 0)
+    token = take_token(token_file(a.token_dir, rank)) if a.token_dir else bytes.fromhex(os.environ.pop(TOKEN_ENV, ""))
+    return Launch(host, int(port), a.mesh_id, shape, token, rank, a.owner)
+
+
+def token_file(directory: str, rank: int) -> str:
+    """Where rank `rank` finds the mesh token (written by the controller, see launch.TokenHandover)."""
+    return os.path.join(directory, f"rank-{rank}")
+
+
+def take_token(path: str) -> bytes:
+    """Read this rank's token file and delete it, so that the token is nowhere on disk once we started."""
+    try:
+        with open(path) as f:
+            token = bytes.fromhex(f.read())
+        os.unlink(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"monarch worker: cannot take the mesh token from {path}: {e} (it is written by the "
+                         "controller for one start of this rank, and deleted by it)") from None
+    return token
+
+
+def start(argv: list[str]) -> Boot:
+    """Returns only in the worker child; the monitor parent exits with the child's status."""
+    launch = parse(argv)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    parent = os.getpid()
+    child = os.fork()
+    if child:
+        _close(out_w, err_w)
+        prefix = f"[{launch.shape.point(launch.rank).label()}] ".encode()
+        os._exit(_monitor(launch, child, {out_r: 1, err_r: 2}, prefix))
+    _close(out_r, err_r)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    _close(out_w, err_w)
+    _die_with_parent(parent)
+    from mpi4py import MPI  # joins the MPI job: rank and size come from the process manager
+    world = MPI.COMM_WORLD
+    assert world.Get_rank() == launch.rank, (world.Get_rank(), launch.rank)
+    assert world.Get_size() == len(launch.shape), (world.Get_size(), launch.shape)
+    sock = launch.connect(timeout=30)
+    sock.sendall(launch.header(ROLE_WORKER) + encode_frame([Hello(os.getpid(), socket.gethostname())]))
+    return Boot(sock, launch.rank)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _die_with_parent(parent: int) -> None:
+    with suppress(OSError, AttributeError):  # not Linux: the control socket's EOF still ends the worker
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _monitor(launch: Launch, child: int, pipes: dict[int, int], prefix: bytes) -> int:
+    """Forward the child's output line by line with `prefix`; report an abnormal exit. If the
+    controller dies (even by SIGKILL) the child is killed at once, not after its queued work."""
+    partial = {fd: b"" for fd in pipes}
+    tail: deque[str] = deque(maxlen=20)
+    while partial:
+        ready = select.select(list(partial), [], [], OWNER_CHECK_S)[0]
+        if not ready and launch.local and not _alive(launch.owner):
+            with suppress(OSError):
+                os.kill(child, signal.SIGKILL)
+        for fd in ready:
+            data = os.read(fd, 65536)
+            lines = (partial[fd] + data).split(b"\n")
+            if not data:
+                lines, rest = [ln for ln in lines if ln], None
+            else:
+                rest = lines.pop()
+            for ln in lines:
+                _write(pipes[fd], prefix + ln + b"\n")
+                if pipes[fd] == 2:
+                    tail.append(ln.decode(errors="replace"))
+            if rest is None:
+                del partial[fd]
+            else:
+                partial[fd] = rest
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        _report(launch, ProcExit(launch.rank, child, status, "\n".join(tail)))
+    return code if code >= 0 else 128 - code
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write(fd: int, data: bytes) -> None:
+    with suppress(OSError):  # mpiexec's end of the pipe is gone: output has nowhere to go
+        os.write(fd, data)
+
+
+def _report(launch: Launch, msg: ProcExit) -> None:
+    try:
+        with launch.connect(timeout=5) as sock:
+            sock.sendall(launch.header(ROLE_MONITOR) + encode_frame([msg]))
+    except OSError as e:
+        print(f"monarch monitor: could not report rank {launch.rank}'s exit: {e}", file=sys.stderr)

@@ -1,0 +1,81 @@
+"""Who is sending: the process-wide client (controller or worker) and the running actor's point.
+
+On the controller the client is the Controller, created on first use; inside a worker it is the Worker,
+installed at start-up. `current_rank()`/`current_size()` read the point of the endpoint being run.
+`tensor_api()` is the declared doorway through which the actor layer reaches the sharded-tensor API.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, Protocol
+
+from monarch.runtime.control.futures import CallState, Waiter
+from monarch.shape import Extent, Point, Shape
+
+if TYPE_CHECKING:
+    from monarch.runtime.control.commands import Call
+
+
+class Client(Waiter, Protocol):
+    """What a mesh reference needs from the process it lives in."""
+
+    def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None: ...
+
+    def next_call_id(self) -> int: ...
+
+
+TENSOR_API = "monarch.runtime.session.api"  # the one module below the actor layer may reach, only here
+_tensor_api: list[Any] = []  # registered by that module when it is imported
+_client: Client | None = None
+_point: Point = Point((), Extent((), ()))
+
+
+def client() -> Client:
+    global _client
+    if _client is None:
+        from monarch.runtime.control.controller import controller
+        _client = controller()
+    return _client
+
+
+def set_client(c: Client | None) -> None:
+    global _client
+    _client = c
+
+
+@contextmanager
+def running_as(point: Point) -> Iterator[None]:
+    """Make `point` the answer of current_rank() while an actor's code runs."""
+    global _point
+    prev, _point = _point, point
+    try:
+        yield
+    finally:
+        _point = prev
+
+
+def current_rank() -> Point:
+    """The calling actor's point in its actor mesh (an empty point on the controller)."""
+    return _point
+
+
+def current_size() -> dict[str, Any]:
+    """Sizes of the calling actor's mesh, by dim name."""
+    return dict(_point.extent)
+
+
+def register_tensor_api(api: Any) -> None:
+    """Called by the session's tensor API when it is imported."""
+    _tensor_api[:] = [api]
+
+
+def tensor_api() -> Any:
+    """The doorway from the actor layer to the sharded-tensor API (`ProcMesh.activate`, `ProcMesh.rank`):
+    the session registers it; the first use imports it (torch and the compiler load only then, so a
+    worker that never uses tensors from an actor never loads them)."""
+    if not _tensor_api:
+        import_module(TENSOR_API)
+    assert _tensor_api, f"{TENSOR_API} did not register itself"
+    return _tensor_api[0]

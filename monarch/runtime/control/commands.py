@@ -1,0 +1,169 @@
+"""Control-plane messages: frozen dataclasses, the only things that travel between processes.
+
+Controller -> worker: SpawnActor, Call, RunProgram, Stop, Supervise, Heartbeat. Worker -> controller:
+Hello, Reply, Forward, and empty frames as heartbeats. Monitor -> controller: ProcExit. Payloads a user
+supplies (classes, arguments, return values) stay opaque bytes so that one bad payload fails one call,
+never the connection.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from monarch.shape import Shape
+
+CONTROLLER = 0  # the `reply_to` address of the controller itself; workers get addresses >= 1
+LAUNCHER = -1  # the `rank` of a MeshFailure of the mesh's launcher (mpiexec) rather than of a worker
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First frame of a worker after the handshake."""
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True)
+class SpawnActor:
+    """Construct actor `name` from a pickled class and arguments; `shape` is the actor mesh's view."""
+    name: str
+    cls: bytes
+    args: bytes
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run `endpoint` of actor `actor`; the reply goes to address `reply_to` under `call_id`."""
+    call_id: int
+    reply_to: int
+    actor: str
+    endpoint: str
+    args: bytes
+    want_reply: bool = True
+    sender: str = ""  # "mesh[rank]" of the calling actor's process; "" for the controller
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The outcome of one Call on one rank: a pickled value, or a pickled exception when not ok."""
+    call_id: int
+    reply_to: int
+    rank: int
+    ok: bool
+    value: bytes
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A call that an actor makes on another actor mesh, routed by the controller."""
+    mesh_id: int
+    shape: Shape
+    call: Call
+
+
+@dataclass(frozen=True)
+class RunProgram:
+    """Run one rank program (tensor-engine instructions) for the mesh view `view`.
+
+    The program is the pickled instruction tuple `shared` (common to every rank) with `patches`
+    (index, instruction) applied. When `call_id` is set the worker replies once the program ran: with
+    the value of buffer `fetch` (0: none), or with the first error since the previous reply.
+    """
+    view: Shape
+    shared: bytes
+    patches: tuple[tuple[int, Any], ...]
+    call_id: int = 0
+    fetch: int = 0
+
+
+@dataclass(frozen=True)
+class InstallProgram:
+    """Keep a compiled rank program (pickled `shared` instructions with this rank's `patches`) as `pid`."""
+    pid: int
+    view: Shape
+    shared: bytes
+    patches: tuple[tuple[int, Any], ...]
+
+
+@dataclass(frozen=True)
+class InvokeProgram:
+    """Run installed program `pid` once, in a buffer namespace of its own: free `frees` first; it sees
+    this call's buffers under its input ids (`inputs`: (program id, buffer id) pairs) and `feeds`
+    under theirs; `outputs` says under which ids its results are kept."""
+    pid: int
+    inputs: tuple[tuple[int, int], ...]
+    outputs: tuple[tuple[int, int], ...]
+    feeds: tuple[tuple[int, Any], ...]
+    frees: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShipTelemetry:
+    """Send the telemetry events recorded since the last batch, as the value of a Reply to `call_id`."""
+    call_id: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Send a frame (an empty one if nothing else) whenever nothing was sent for `every` seconds (0: stop)."""
+    every: float
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish the queued work, close the connection and exit cleanly."""
+
+
+@dataclass(frozen=True)
+class MeshFailure:
+    """A worker process (or the launcher, rank LAUNCHER) of a mesh died: what `__supervise__` receives and
+    SupervisionError reports."""
+    mesh: str
+    rank: int
+    coords: str
+    pid: int
+    status: str
+
+    @property
+    def who(self) -> str:
+        """`worker rank 1 (gpus=1)` or `the launcher mpiexec`."""
+        if self.rank == LAUNCHER:
+            return "the launcher mpiexec"
+        return f"worker rank {self.rank} ({self.coords})" if self.coords else f"worker rank {self.rank}"
+
+    def message(self) -> str:
+        return f"mesh {self.mesh!r}: {self.who}, pid {self.pid}, {self.status}"
+
+
+@dataclass(frozen=True)
+class Supervise:
+    """Tell a worker's actors that define `__supervise__` about a failure elsewhere."""
+    failure: MeshFailure
+
+
+@dataclass(frozen=True)
+class ProcExit:
+    """Sent by a rank's monitor when its worker exits abnormally (os.wait status)."""
+    rank: int
+    pid: int
+    wait_status: int
+    stderr_tail: str
+
+
+def describe_status(wait_status: int) -> str:
+    """`killed by signal 9 (SIGKILL)` or `exited with code 3`, from an os.wait status."""
+    return describe_exit(os.waitstatus_to_exitcode(wait_status))
+
+
+def describe_exit(code: int) -> str:
+    """The same from an exit code as subprocess gives it (minus the signal number when killed)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown"
+        return f"killed by signal {-code} ({name})"
+    return f"exited with code {code}"

@@ -1,0 +1,214 @@
+"""The controller's records of its peers: one accepted connection (`Conn`) and its reader (`ConnReader`:
+handshake, then frames), one MPI job (`Mesh`), and the sinks that take replies which are not a caller's
+`CallState` (calls an actor made, telemetry batches).
+
+The controller (controller.py) creates and drives them; they hold state, queue output and split frames.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from contextlib import suppress
+from typing import Any, Protocol
+
+from monarch import config
+from monarch.errors import SupervisionError, TransportError
+from monarch.runtime.control import codec
+from monarch.runtime.control.commands import Call, Reply
+from monarch.runtime.control.futures import CallState
+from monarch.runtime.control.poller import Poller
+from monarch.shape import Shape
+from monarch.runtime.telemetry.store import STORE
+
+log = logging.getLogger("monarch.controller")
+
+
+class Conn:
+    """One accepted socket: unauthenticated until its header checks out, then a worker or a monitor.
+
+    Sending never blocks: what the socket does not take at once is queued, in order, and written by
+    the poller when the peer reads, so a slow peer can never stall the control plane.
+    """
+
+    def __init__(self, sock: socket.socket, addr: int, poller: Poller) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.poller = poller
+        self.lock = threading.Lock()
+        self.out: deque[memoryview] = deque()
+        self.head = b""
+        self.header: codec.Header | None = None
+        self.reader = codec.FrameReader(config.max_frame())
+        self.mesh: Mesh | None = None
+        self.opened = self.heard = time.monotonic()  # heard: when a heartbeat check last saw `fresh`
+        self.fresh = False  # bytes came from the peer since the last heartbeat check
+
+    def send(self, frame: bytes) -> None:
+        with self.lock:
+            if self.out:
+                self.out.append(memoryview(frame))
+                return
+            try:
+                n = self.sock.send(frame)
+            except BlockingIOError:
+                n = 0
+            if n < len(frame):
+                self.out.append(memoryview(frame)[n:])
+                self.poller.want_write(self.sock.fileno(), self._flush)
+
+    def _flush(self) -> None:
+        """Write queued output while the socket takes it (poller thread)."""
+        with self.lock:
+            try:
+                while self.out:
+                    n = self.sock.send(self.out[0])
+                    if n < len(self.out[0]):
+                        self.out[0] = self.out[0][n:]
+                        return
+                    self.out.popleft()
+            except BlockingIOError:
+                return
+            except OSError:
+                self.out.clear()  # the peer is gone; its reader sees the EOF and reports it
+            self.poller.done_writing(self.sock.fileno())
+
+
+class ForwardSink:
+    """Replies to a call an actor made: relayed to the calling worker's connection."""
+
+    def __init__(self, source: Conn, call: Call, shape: Shape) -> None:
+        self.source, self.call, self.missing = source, call, set(shape.ranks())
+
+    @property
+    def done(self) -> bool:
+        return not self.missing
+
+    def deliver(self, rank: int, ok: bool, payload: Any) -> None:
+        if rank in self.missing:
+            self.missing.discard(rank)
+            value = payload if isinstance(payload, bytes) else codec.dumps(payload)
+            frame = codec.encode_frame([Reply(self.call.call_id, self.call.reply_to, rank, ok, value)])
+            limit = self.source.mesh.max_frame if self.source.mesh else config.max_frame()
+            if not codec.fits(frame, limit):
+                what = f"the reply of rank {rank} to {self.call.actor}.{self.call.endpoint}"
+                err = codec.dumps(codec.too_large(what, frame, limit))
+                frame = codec.encode_frame([Reply(self.call.call_id, self.call.reply_to, rank, False, err)])
+            with suppress(OSError):  # the calling worker is gone; its own supervision reports that
+                self.source.send(frame)
+
+    def fail_missing(self, exc: BaseException) -> None:
+        for r in sorted(self.missing):
+            self.deliver(r, False, exc)
+
+
+class TelemetrySink:
+    """Replies to a ShipTelemetry: each rank's batch of events goes into the Store as it arrives, so a
+    rank that answers after its caller stopped waiting loses nothing (a rank that fails brings none)."""
+
+    what = "telemetry"
+
+    def __init__(self, mesh: str, ranks: frozenset[int]) -> None:
+        self.mesh, self.missing = mesh, ranks  # replaced, never mutated: other threads read it
+
+    @property
+    def done(self) -> bool:
+        return not self.missing
+
+    def deliver(self, rank: int, ok: bool, payload: Any) -> None:
+        self.missing = self.missing - {rank}
+        if ok:
+            STORE.add(codec.loads(payload), self.mesh)
+
+    def fail_missing(self, exc: BaseException) -> None:
+        self.missing = frozenset()
+
+
+class Mesh:
+    """Controller-side record of one MPI job: its connections, pending calls and fate."""
+
+    def __init__(self, mesh_id: int, name: str, shape: Shape, token: bytes) -> None:
+        self.id, self.name, self.shape, self.token = mesh_id, name, shape, token
+        self.conns: list[Conn | None] = [None] * len(shape)
+        self.pids: list[int] = [0] * len(shape)
+        self.pending: dict[tuple[int, int], CallState | ForwardSink | TelemetrySink] = {}
+        self.actors: set[str] = set()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.settled = threading.Event()  # every worker said hello, or the mesh failed
+        self.failure: SupervisionError | None = None
+        self.stopping = False
+        self.lost: dict[int, float] = {}  # rank -> deadline for its monitor's exit report
+        self.stderr_tail: deque[str] = deque(maxlen=40)
+        self.frames = 0  # frames sent to its workers (one per worker per flush or compiled step)
+        self.heartbeat = config.heartbeat_timeout()  # seconds a worker may be silent (0: never fails)
+        self.max_frame = config.max_frame()  # its workers inherit the flag: the largest frame they accept
+
+    def coords(self, rank: int) -> str:
+        return self.shape.point(rank).label() if 0 <= rank < len(self.shape) else "?"
+
+    @property
+    def live(self) -> bool:
+        return self.failure is None and not self.stopping
+
+    def awaiting_telemetry(self) -> frozenset[int]:
+        """Ranks that have not answered a request for their events yet."""
+        sinks = [s for s in list(self.pending.values()) if type(s) is TelemetrySink]
+        return frozenset().union(*(s.missing for s in sinks))
+
+
+class Peers(Protocol):
+    """What a connection's reader hands its bytes to (the Controller)."""
+
+    def authenticate(self, conn: Conn, header: codec.Header | None) -> bool: ...
+
+    def handle(self, conn: Conn, msg: Any) -> None: ...
+
+    def peer_closed(self, conn: Conn) -> None: ...
+
+    def close(self, conn: Conn) -> None: ...
+
+
+class ConnReader:
+    """The poll handler of one connection: handshake first, then frames, each message handed to `peers`."""
+
+    def __init__(self, ctl: Peers, conn: Conn) -> None:
+        self.ctl, self.conn = ctl, conn
+
+    def __call__(self) -> None:
+        conn = self.conn
+        try:
+            data = conn.sock.recv(codec.RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.ctl.peer_closed(conn)
+            return
+        conn.fresh = True
+        if conn.header is None:
+            conn.head += data
+            if len(conn.head) < codec.HEADER_SIZE:
+                return
+            data, conn.head = conn.head[codec.HEADER_SIZE:], conn.head[:codec.HEADER_SIZE]
+            if not self.ctl.authenticate(conn, codec.Header.decode(conn.head)):
+                self.ctl.close(conn)
+                return
+        assert conn.header is not None
+        try:
+            bodies = conn.reader.feed(data)
+        except TransportError as e:
+            log.warning("monarch controller: closing rank %s: %s", conn.header.rank, e)
+            self.ctl.peer_closed(conn)
+            return
+        for body in bodies:
+            try:
+                msgs = codec.decode_frame(body)
+            except Exception as e:  # noqa: BLE001 - a malformed frame is dropped, the peer stays
+                log.warning("monarch controller: dropped a malformed frame from rank %s: %r", conn.header.rank, e)
+                continue
+            for msg in msgs:
+                self.ctl.handle(conn, msg)

@@ -1,0 +1,416 @@
+"""The controller: owns worker processes, routes control-plane messages, supervises meshes.
+
+One background thread polls every socket and pipe (epoll): it authenticates new connections, delivers
+replies to CallStates, forwards actor-to-actor calls, copies worker output to this process's stdout and
+stderr, and fails every pending call of a mesh whose worker died or went silent (heartbeat.py). User
+threads send directly.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import replace
+from typing import Any
+
+from monarch import config
+from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
+from monarch.runtime.control import codec, heartbeat, launch
+from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, Call, Forward, Heartbeat, Hello, MeshFailure,
+                                              ProcExit, Reply, ShipTelemetry, Stop, Supervise, describe_exit,
+                                              describe_status)
+from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, TelemetrySink
+from monarch.runtime.control.futures import CallState, deadline_of
+from monarch.runtime.control.poller import Poller
+from monarch.shape import Shape
+from monarch.runtime.telemetry.events import RECORDER, Events, error_text, now_us, output_lines
+from monarch.runtime.telemetry.store import STORE, Rows
+
+log = logging.getLogger("monarch.controller")
+HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its header
+EXPORT_EVERY_S = 5.0  # how often events are fetched from the workers while an OpenTelemetry export is on
+
+
+class Controller:
+    """The process-wide control plane; the `Client` that meshes send with on the controller."""
+    threaded = True
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._addrs = itertools.count(CONTROLLER + 1)
+        self._mesh_ids = itertools.count(1)
+        self._handshaking: set[Conn] = set()
+        self._ended: dict[int, SupervisionError] = {}  # mesh id -> why it is gone
+        self.meshes: dict[int, Mesh] = {}
+        self._watch = heartbeat.Watch()
+        self._poller = Poller(self._expire)
+        self._listeners: dict[str, str] = {}  # bind host -> "host:port"
+        self._next_export = 0.0
+        self.address = self.listen(config.host())
+        if config.debug():
+            logging.basicConfig()
+            log.setLevel(logging.DEBUG)
+        atexit.register(self.shutdown)
+        if config.admin():
+            from monarch.runtime.telemetry.admin import AdminServer
+            self.admin = AdminServer(self.sql)
+
+    # -- client protocol -------------------------------------------------------------------------
+    def next_call_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None:
+        mesh = self.mesh(mesh_id)
+        frame = codec.encode_frame([call])
+        self.check_frame(mesh, frame, f"a call of {call.actor}.{call.endpoint} (with its pickled arguments)")
+        if state is not None:
+            mesh.pending[(CONTROLLER, call.call_id)] = state
+        if mesh.failure is not None or mesh.stopping:
+            err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} is stopped; spawn a new one")
+            if state is None:
+                raise err
+            state.fail_missing(err)
+            return
+        self.fan_out(mesh, shape, frame)
+
+    def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
+        self._poller.drive(lambda: len(state.arrived) >= arrived, deadline)
+
+    def wait_until(self, done: Callable[[], bool], deadline: float | None) -> None:
+        self._poller.drive(done, deadline)
+
+    def mesh(self, mesh_id: int) -> Mesh:
+        try:
+            return self.meshes[mesh_id]
+        except KeyError:
+            if mesh_id in self._ended:
+                raise self._ended[mesh_id] from None
+            raise MeshError(f"proc mesh {mesh_id} does not exist in this controller (stopped, or from "
+                            "another process)") from None
+
+    def check_frame(self, mesh: Mesh, frame: bytes, what: str) -> None:
+        """Raise TransportError, before anything is sent, when the workers of `mesh` would refuse `frame`."""
+        if not codec.fits(frame, mesh.max_frame):
+            raise codec.too_large(what, frame, mesh.max_frame)
+
+    def fan_out(self, mesh: Mesh, shape: Shape, frame: bytes, what: str = "a message") -> None:
+        """Send one encoded frame to every rank of `shape`; a failed send marks the rank lost."""
+        self.check_frame(mesh, frame, what)
+        for r in shape.ranks():
+            self._send_rank(mesh, r, frame)
+
+    def send_each(self, mesh_id: int, frames: dict[int, bytes], call_id: int, state: CallState | None,
+                  what: str = "the tensor program") -> None:
+        """Send each rank its own frame (`what`, for errors); `state` collects the replies to `call_id`."""
+        mesh = self.mesh(mesh_id)
+        if not mesh.live:
+            err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} is stopped; spawn a new one")
+            if state is None:
+                raise err
+            state.fail_missing(err)
+            return
+        for r, frame in frames.items():
+            self.check_frame(mesh, frame, f"{what} for rank {r}")
+        if state is not None:
+            mesh.pending[(CONTROLLER, call_id)] = state
+        for r, frame in frames.items():
+            self._send_rank(mesh, r, frame)
+
+    def _send_rank(self, mesh: Mesh, r: int, frame: bytes) -> None:
+        mesh.frames += 1
+        conn = mesh.conns[r]
+        try:
+            assert conn is not None, f"rank {r} of {mesh.name} has no connection"
+            conn.send(frame)
+        except (OSError, AssertionError):
+            self._conn_lost(mesh, r)
+
+    # -- spawning and stopping -------------------------------------------------------------------
+    def listen(self, host: str) -> str:
+        """The "host:port" workers connect back to, with a listening socket bound to `host`."""
+        if host not in self._listeners:
+            listener = socket.create_server((host, 0))
+            listener.setblocking(False)
+            self._poller.watch(listener.fileno(), lambda: self._accept(listener))
+            self._listeners[host] = "%s:%d" % listener.getsockname()[:2]
+        return self._listeners[host]
+
+    def spawn(self, name: str, shape: Shape, hosts: list[str], env: dict[str, str] | None,
+              bind: str | None = None) -> Mesh:
+        mesh = Mesh(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES))
+        address = self.listen(bind) if bind else self.address
+        cmd = launch.command(launch.find_mpiexec(), shape, hosts, address, mesh.id)
+        handover = launch.TokenHandover(mesh.token, len(shape), launch.all_local(hosts))
+        cmd += handover.args
+        log.debug("spawning mesh %r (id %d): %s", name, mesh.id, " ".join(cmd))
+        self.meshes[mesh.id] = mesh
+        try:
+            mesh.proc = launch.start(cmd, launch.worker_env(env, handover))
+            assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
+            out, err = mesh.proc.stdout, mesh.proc.stderr
+            self._poller.watch(out.fileno(), lambda: self._output(mesh, out, sys.stdout))
+            self._poller.watch(err.fileno(), lambda: self._output(mesh, err, sys.stderr))
+            timeout = config.spawn_timeout()
+            self._poller.drive(mesh.settled.is_set, time.monotonic() + timeout)
+        except SpawnError:
+            del self.meshes[mesh.id]
+            raise
+        finally:
+            handover.remove()  # every worker took its token file by now, or the spawn failed
+        if not mesh.settled.is_set() or mesh.failure is not None:
+            why = mesh.failure or f"not every worker connected within {timeout} s (MONARCH_SPAWN_TIMEOUT)"
+            self.stop(mesh, grace=0.5)
+            tail = "\n".join(mesh.stderr_tail) or "(nothing)"
+            raise SpawnError(f"spawning mesh {name!r} ({' '.join(cmd[:3])} ...) failed: {why}\n"
+                             f"worker stderr, last lines:\n{tail}")
+        return mesh
+
+    def stop(self, mesh: Mesh, grace: float = 5.0) -> None:
+        """Ask every worker to exit, wait for the job, and kill whatever is left of it."""
+        if mesh.stopping:
+            return
+        mesh.stopping = True
+        self.fan_out(mesh, mesh.shape, codec.encode_frame([Stop()]))
+        if mesh.proc is not None:
+            launch.terminate(mesh.proc, grace)
+        err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} was stopped; spawn a new proc mesh")
+        self._ended[mesh.id] = err
+        for sink in list(mesh.pending.values()):
+            sink.fail_missing(err)
+        mesh.pending.clear()
+        for conn in mesh.conns:
+            if conn is not None:
+                self.close(conn)
+        self.meshes.pop(mesh.id, None)
+
+    def shutdown(self) -> None:
+        for mesh in list(self.meshes.values()):
+            self.stop(mesh, grace=2.0)
+
+    # -- timers and connections (run by whichever thread polls) ---------------------------------
+    def _expire(self) -> float:
+        """Fire due timers; seconds until the next one."""
+        now, nxt = time.monotonic(), 1.0
+        if self._handshaking:
+            for conn in list(self._handshaking):
+                if now - conn.opened > HANDSHAKE_TIMEOUT:
+                    log.warning("monarch controller: dropped a connection that sent no handshake in time")
+                    self.close(conn)
+            nxt = 0.5
+        for mesh in list(self.meshes.values()):
+            for rank, deadline in list(mesh.lost.items()):
+                if now >= deadline:
+                    self._fail(mesh, rank, mesh.pids[rank], "lost its control connection (exit status unknown)")
+                else:
+                    nxt = min(nxt, deadline - now)
+        nxt = min(nxt, self._watch.tick(now, self.meshes, self._fail))
+        if STORE.exporter is not None and now >= self._next_export:
+            self._export_telemetry()
+            self._next_export = now + EXPORT_EVERY_S
+        return nxt
+
+    def _export_telemetry(self) -> None:
+        """With an OpenTelemetry exporter on, fetch every mesh's events now and then (without waiting)."""
+        STORE.add(RECORDER.take(), "local")
+        for mesh in list(self.meshes.values()):
+            if mesh.live:
+                self.ship_telemetry(mesh)
+
+    def ship_telemetry(self, mesh: Mesh) -> TelemetrySink:
+        """Ask the workers of `mesh` for the events they recorded; the batches are stored as they arrive.
+        A rank that has not answered an earlier request yet (busy in a long call) is not asked again."""
+        asked = mesh.awaiting_telemetry()
+        sink = TelemetrySink(mesh.name, frozenset(r for r in mesh.shape.ranks() if r not in asked))
+        if sink.missing:
+            call_id = self.next_call_id()
+            mesh.pending[(CONTROLLER, call_id)] = sink
+            frame = codec.encode_frame([ShipTelemetry(call_id)])
+            for r in sink.missing:
+                self._send_rank(mesh, r, frame)
+        return sink
+
+    def sql(self, query: str, timeout: float, meshes: list[Mesh] | None = None) -> Rows:
+        """Run read-only SQL over the telemetry of this process and of `meshes` (default: every mesh),
+        after fetching their workers' newest events for up to `timeout` s."""
+        late = self.collect(list(self.meshes.values()) if meshes is None else meshes, timeout)
+        STORE.add(RECORDER.take(), "local")
+        return STORE.sql(query, late)
+
+    def collect(self, meshes: list[Mesh], timeout: float) -> list[str]:
+        """Fetch the events the workers of `meshes` recorded, waiting up to `timeout` s in all. Returns the
+        ranks (`mesh[rank]`) that did not answer in time, such as a rank busy in a long call: their events
+        are stored whenever they do answer."""
+        asked = [(mesh, self.ship_telemetry(mesh)) for mesh in meshes if mesh.live]
+        self.wait_until(lambda: all(s.done for _, s in asked), deadline_of(timeout))
+        late = [f"{mesh.name}[{r}]" for mesh, _ in asked for r in sorted(mesh.awaiting_telemetry())]
+        if late:
+            log.warning("monarch: %s did not send telemetry within %s s (busy in a long call?); the query runs "
+                        "without their newest events", ", ".join(late), timeout)
+        return late
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            sock, _ = listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Conn(sock, next(self._addrs), self._poller)
+        self._handshaking.add(conn)
+        self._poller.watch(sock.fileno(), ConnReader(self, conn))
+
+    def close(self, conn: Conn) -> None:
+        self._handshaking.discard(conn)
+        if conn.sock.fileno() >= 0:
+            self._poller.unwatch(conn.sock.fileno())
+            conn.sock.close()
+
+    def _output(self, mesh: Mesh, pipe: Any, stream: Any) -> None:
+        data = pipe.read1(65536)
+        if not data:
+            self._poller.unwatch(pipe.fileno())
+            if stream is sys.stderr:
+                self._job_exited(mesh)
+            return
+        text = data.decode(errors="replace")
+        if stream is sys.stderr:
+            mesh.stderr_tail.extend(text.splitlines())
+        if RECORDER.on:
+            STORE.add(output_lines(mesh.shape, "stderr" if stream is sys.stderr else "stdout", text), mesh.name)
+        stream.write(text)
+        stream.flush()
+
+    def _job_exited(self, mesh: Mesh) -> None:
+        assert mesh.proc is not None
+        try:
+            code = mesh.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return
+        if mesh.live:
+            self._fail(mesh, LAUNCHER, mesh.proc.pid, describe_exit(code))
+
+    # -- messages from authenticated peers -------------------------------------------------------
+    def authenticate(self, conn: Conn, header: codec.Header | None) -> bool:
+        mesh = self.meshes.get(header.mesh_id) if header else None
+        if header is None or mesh is None or not header.authentic(mesh.token):
+            log.warning("monarch controller: rejected a connection with a bad handshake")
+            return False
+        if header.role == codec.ROLE_WORKER:
+            if not 0 <= header.rank < len(mesh.shape) or mesh.conns[header.rank] is not None:
+                log.warning("monarch controller: rejected a duplicate or out-of-range worker rank %d", header.rank)
+                return False
+            mesh.conns[header.rank] = conn
+        conn.header, conn.mesh = header, mesh
+        self._handshaking.discard(conn)
+        log.debug("mesh %r: rank %d connected (%s)", mesh.name, header.rank,
+                  "worker" if header.role == codec.ROLE_WORKER else "monitor")
+        return True
+
+    def handle(self, conn: Conn, msg: Any) -> None:
+        mesh = conn.mesh
+        assert mesh is not None and conn.header is not None
+        kind = type(msg)
+        if kind is Reply:
+            sink = mesh.pending.get((msg.reply_to, msg.call_id))
+            if not msg.ok and RECORDER.on:
+                RECORDER.add("failures", (msg.rank, mesh.name, "remote error", getattr(sink, "what", ""),
+                                          error_text(msg.value), now_us()))
+            if sink is not None:
+                sink.deliver(msg.rank, msg.ok, msg.value)
+                if sink.done:
+                    mesh.pending.pop((msg.reply_to, msg.call_id), None)
+        elif kind is Forward:
+            self._forward(conn, msg)
+        elif kind is Events:
+            STORE.add(msg, mesh.name)
+        elif kind is Hello:
+            mesh.pids[conn.header.rank] = msg.pid
+            RECORDER.add("procs", (conn.header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
+            if mesh.heartbeat > 0:
+                with suppress(OSError):  # the peer is gone: its reader sees the EOF
+                    conn.send(codec.encode_frame([Heartbeat(heartbeat.interval(mesh.heartbeat))]))
+            if all(c is not None for c in mesh.conns) and all(mesh.pids):
+                mesh.settled.set()
+        elif kind is ProcExit:
+            mesh.stderr_tail.extend(msg.stderr_tail.splitlines())
+            self._fail(mesh, msg.rank, msg.pid, describe_status(msg.wait_status))
+        else:
+            log.warning("monarch controller: dropped unexpected %s from rank %d", kind.__name__, conn.header.rank)
+
+    def _forward(self, source: Conn, msg: Forward) -> None:
+        assert source.mesh is not None and source.header is not None
+        call = replace(msg.call, reply_to=source.addr, sender=f"{source.mesh.name}[{source.header.rank}]")
+        target = self.meshes.get(msg.mesh_id)
+        sink = ForwardSink(source, call, msg.shape)
+        if target is None or not target.live:
+            if call.want_reply:
+                sink.fail_missing(target.failure if target and target.failure else
+                                  SupervisionError(f"mesh {msg.mesh_id} is stopped"))
+            return
+        frame = codec.encode_frame([call])
+        try:
+            self.check_frame(target, frame, f"a call of {call.actor}.{call.endpoint} from {call.sender}")
+        except TransportError as e:
+            if call.want_reply:
+                sink.fail_missing(e)
+            else:
+                log.warning("monarch controller: dropped a broadcast: %s", e)
+            return
+        if call.want_reply:
+            target.pending[(source.addr, call.call_id)] = sink
+        self.fan_out(target, msg.shape, frame)
+
+    def peer_closed(self, conn: Conn) -> None:
+        self.close(conn)
+        mesh, header = conn.mesh, conn.header
+        if mesh is not None and header is not None and header.role == codec.ROLE_WORKER:
+            self._conn_lost(mesh, header.rank)
+
+    def _conn_lost(self, mesh: Mesh, rank: int) -> None:
+        if mesh.live and rank not in mesh.lost:
+            mesh.lost[rank] = time.monotonic() + config.death_grace()
+
+    def _fail(self, mesh: Mesh, rank: int, pid: int, status: str) -> None:
+        """Fail every pending and later call on `mesh`, tell supervisors, tear the job down."""
+        mesh.lost.clear()
+        if not mesh.live:
+            return
+        failure = MeshFailure(mesh.name, rank, mesh.coords(rank) if rank >= 0 else "", pid, status)
+        mesh.failure = SupervisionError(failure.message() + "; spawn a new proc mesh to continue (the "
+                                        "failures and logs tables of monarch.sql() hold what led to it)",
+                                        rank=rank, coords=failure.coords, status=status)
+        now = now_us()
+        RECORDER.add("failures", (rank, mesh.name, "supervision", failure.who, status, now))
+        RECORDER.add("procs", (rank, mesh.name, pid, "", "died", status, now))
+        mesh.settled.set()
+        for sink in list(mesh.pending.values()):
+            sink.fail_missing(mesh.failure)
+        mesh.pending.clear()
+        log.warning("monarch: %s", failure.message())
+        if mesh.proc is not None:
+            launch.kill_group(mesh.proc)
+        frame = codec.encode_frame([Supervise(failure)])
+        for other in list(self.meshes.values()):
+            if other.live:
+                self.fan_out(other, other.shape, frame)
+
+
+_controller: Controller | None = None
+_controller_lock = threading.Lock()
+
+
+def controller() -> Controller:
+    """The process's controller, started on first use."""
+    global _controller
+    with _controller_lock:
+        if _controller is None:
+            _controller = Controller()
+        return _controller

@@ -1,0 +1,271 @@
+"""The worker process: decode control frames and dispatch them through `HANDLERS` to hosted actors.
+
+Started as `python -m monarch.runtime.control.worker` by mpiexec (see bootstrap.py). One thread: it receives a
+chunk, runs every message in it in order, then sends all replies in one frame (a second thread only
+sends heartbeats, heartbeat.py). A call an actor makes on another mesh is forwarded through the
+controller; while it waits, the worker keeps running the messages of its other, idle actors (each actor
+still sees its own messages in order).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import select
+import socket
+import sys
+from collections import deque
+from typing import Any, Callable
+
+from monarch import config
+from monarch.errors import TransportError
+from monarch.runtime.control import codec
+from monarch.runtime.control.commands import (CONTROLLER, Call, Forward, Heartbeat, InstallProgram, InvokeProgram,
+                                              Reply, RunProgram, ShipTelemetry, SpawnActor, Stop, Supervise)
+from monarch.runtime.control.client import set_client
+from monarch.runtime.control.futures import CallState
+from monarch.runtime.control.heartbeat import Sender
+from monarch.runtime.actors.hosting import HostedActor
+from monarch.shape import Shape
+from monarch.runtime.control.spin import AdaptiveSpin
+from monarch.runtime.telemetry.events import (BATCH, MEMORY_EVERY_S, RECORDER, Events, cuda_bytes, now_us,
+                                              record_logging, rss_bytes)
+
+
+class Worker:
+    """The control-plane endpoint and actor host of one rank; also the client its actors send with."""
+    threaded = False
+
+    def __init__(self, sock: socket.socket, rank: int) -> None:
+        self.sock = sock
+        self.sender = Sender(sock)  # every send goes through it: the heartbeat thread sends too
+        self.rank = rank
+        self._max_frame = config.max_frame()  # the controller's limit too (the workers inherit the flag)
+        self._reader = codec.FrameReader(self._max_frame)
+        self._inbox: deque[Any] = deque()
+        self._outbox: list[Any] = []
+        self._actors: dict[str, HostedActor] = {}
+        self._pending: dict[int, CallState] = {}
+        self._ids = itertools.count(1)
+        self._stopped = False
+        self._busy: set[str] = set()
+        self._spin = AdaptiveSpin(config.spin_seconds())
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            SpawnActor: self._spawn, Call: self._call, Reply: self._reply, Stop: self._stop, Supervise: self._supervise,
+            RunProgram: self._run_program, InstallProgram: self._tensor_msg, InvokeProgram: self._tensor_msg,
+            ShipTelemetry: self._ship_telemetry, Heartbeat: lambda msg: self.sender.beat(msg.every),
+        }
+        self._arrived: dict[int, int] = {}  # id(Call) -> when it arrived (µs), for the messages table
+        self._ran: list[tuple[Call, int, int, bool]] = []  # calls run since the last flush: start, end, ok
+        self._tensors: Any = None  # the tensor engine, created (with torch) on the first RunProgram
+        self._sampled = 0.0  # time.monotonic() of the last memory sample
+
+    def serve(self) -> None:
+        """Run until told to stop or until the controller goes away."""
+        while not self._stopped:
+            self._run_inbox()
+            self.flush()
+            if not self._stopped:
+                self._pump(None)
+
+    def _run_inbox(self) -> None:
+        """Run queued messages in order, skipping (and keeping) those for actors that are mid-call."""
+        skipped = []
+        while self._inbox and not self._stopped:
+            msg = self._inbox.popleft()
+            if self._busy and not (type(msg) is SpawnActor or (type(msg) is Call and msg.actor not in self._busy)):
+                skipped.append(msg)
+                continue
+            self._handlers[type(msg)](msg)
+        self._inbox.extendleft(reversed(skipped))
+
+    def _recv(self, timeout: float | None) -> bytes | None:
+        """Busy-poll briefly (the next message usually follows at once), then block up to `timeout`."""
+        budget = self._spin.budget()
+        until = time.perf_counter() + budget
+        while budget:
+            try:
+                data = self.sock.recv(codec.RECV_BYTES, socket.MSG_DONTWAIT)
+                self._spin.hit()
+                return data
+            except BlockingIOError:
+                if time.perf_counter() >= until:
+                    self._spin.miss()
+                    break
+        if timeout is not None and not select.select([self.sock], [], [], max(timeout, 0))[0]:
+            return None
+        return self.sock.recv(codec.RECV_BYTES)
+
+    def _pump(self, timeout: float | None) -> None:
+        data = self._recv(timeout)
+        if data is None:
+            return
+        if not data:
+            self._lost(TransportError(f"rank {self.rank}: the controller closed the control connection"))
+            return
+        arrived = now_us() if RECORDER.on else 0
+        for body in self._reader.feed(data):
+            try:
+                msgs = codec.decode_frame(body)
+            except Exception as e:  # noqa: BLE001 - drop one bad frame, keep serving
+                print(f"monarch worker: dropped an undecodable frame: {e!r}", file=sys.stderr)
+                continue
+            for msg in msgs:
+                if type(msg) is Reply:
+                    self._reply(msg)
+                elif type(msg) in self._handlers:
+                    if type(msg) is Call and arrived:
+                        self._arrived[id(msg)] = arrived
+                    self._inbox.append(msg)
+                else:
+                    print(f"monarch worker: dropped unknown message {type(msg).__name__}", file=sys.stderr)
+
+    def _lost(self, err: Exception) -> None:
+        self._stopped = True
+        for state in self._pending.values():
+            state.fail_missing(err)
+        self._pending.clear()
+
+    def flush(self) -> None:
+        """Send what the handlers queued; then record the calls that ran (off the replies' path), and
+        a memory sample when the last one is MEMORY_EVERY_S old."""
+        if RECORDER.count >= BATCH:
+            self._outbox.append(self._events())
+        if self._outbox:
+            frame, self._outbox = codec.encode_frames(self._outbox, self._max_frame, self._refuse), []
+            self.sender.sendall(frame)
+        if self._ran:
+            self._record_calls()
+        if RECORDER.on and time.monotonic() >= self._sampled + MEMORY_EVERY_S:
+            self._sample_memory()
+
+    def _refuse(self, msg: Any, frame: bytes) -> Any:
+        """What goes instead of a message over MONARCH_MAX_FRAME: a reply becomes the error; a forwarded call
+        fails here (the calling actor's get() raises it); telemetry events are dropped."""
+        kind = type(msg)
+        what = (f"a call of {msg.call.actor}.{msg.call.endpoint} from rank {self.rank}" if kind is Forward
+                else f"the {'reply' if kind is Reply else kind.__name__} of rank {self.rank}")
+        err = codec.too_large(what, frame, self._max_frame)
+        if kind is Reply:
+            return Reply(msg.call_id, msg.reply_to, msg.rank, False, codec.dumps(err))
+        state = self._pending.pop(msg.call.call_id, None) if kind is Forward else None
+        if state is not None:
+            state.fail_missing(err)
+        else:
+            print(f"monarch worker: dropped {err}", file=sys.stderr)
+        return None
+
+    def _record_calls(self) -> None:
+        for msg, start, end, ok in self._ran:
+            RECORDER.add("messages", (self.rank, msg.actor, msg.endpoint, msg.sender or "controller", len(msg.args),
+                                      self._arrived.pop(id(msg), start), start, end, "ok" if ok else "error"))
+        self._ran.clear()
+
+    # -- handlers --------------------------------------------------------------------------------
+    def _spawn(self, msg: SpawnActor) -> None:
+        self._actors[msg.name] = HostedActor(msg, self.rank)
+
+    def _call(self, msg: Call) -> None:
+        actor = self._actors.get(msg.actor)
+        start = now_us()
+        if actor is None:
+            ok, value = False, codec.dumps(TransportError(f"rank {self.rank} hosts no actor {msg.actor!r}"))
+        else:
+            self._busy.add(msg.actor)
+            try:
+                ok, value = actor.run(msg.endpoint, msg.args)
+            finally:
+                self._busy.discard(msg.actor)
+        if RECORDER.on:
+            self._ran.append((msg, start, now_us(), ok))
+        elif self._arrived:  # recording was switched off while this call waited
+            self._arrived.pop(id(msg), None)
+        if msg.want_reply:
+            self._outbox.append(Reply(msg.call_id, msg.reply_to, self.rank, ok, value))
+        elif not ok:
+            print(f"monarch: broadcast failed:\n{codec.loads(value)}", file=sys.stderr)
+
+    def _reply(self, msg: Reply) -> None:
+        state = self._pending.get(msg.call_id)
+        if state is not None:
+            state.deliver(msg.rank, msg.ok, msg.value)
+            if state.done:
+                del self._pending[msg.call_id]
+
+    def _tensor_msg(self, msg: InstallProgram | InvokeProgram) -> None:
+        self._tensor_service().handle(msg)
+
+    def _tensor_service(self) -> Any:
+        if self._tensors is None:
+            from monarch.runtime.engine.service import TensorService
+            self._tensors = TensorService(self.rank)
+        return self._tensors
+
+    def _run_program(self, msg: RunProgram) -> None:
+        reply = self._tensor_service().run(msg)
+        if msg.call_id:
+            ok, value = reply
+            self._outbox.append(Reply(msg.call_id, CONTROLLER, self.rank, ok, value))
+
+    def _ship_telemetry(self, msg: ShipTelemetry) -> None:
+        self._outbox.append(Reply(msg.call_id, CONTROLLER, self.rank, True, codec.dumps_data(self._events())))
+
+    def _events(self) -> Events:
+        """This worker's pending events, with a memory sample."""
+        self._record_calls()
+        self._sample_memory()
+        return RECORDER.take()
+
+    def _sample_memory(self) -> None:
+        store = self._tensors.engine.store if self._tensors is not None else {}
+        tensors = [v for v in store.values() if hasattr(v, "nbytes")]
+        RECORDER.add("memory", (self.rank, rss_bytes(), sum(t.nbytes for t in tensors), len(tensors), *cuda_bytes(),
+                                now_us()))
+        self._sampled = time.monotonic()
+
+    def _stop(self, msg: Stop) -> None:
+        self._stopped = True
+
+    def _supervise(self, msg: Supervise) -> None:
+        for actor in self._actors.values():
+            actor.supervise(msg.failure)
+
+    # -- client protocol: calls that actors make on other meshes ---------------------------------
+    def next_call_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None:
+        if state is not None:
+            self._pending[call.call_id] = state
+        self._outbox.append(Forward(mesh_id, shape, call))
+        if state is None:
+            return
+        if self._stopped:
+            self._lost(TransportError(f"rank {self.rank}: the control connection is closed"))
+
+    def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
+        while len(state.arrived) < arrived and not self._stopped:
+            self._run_inbox()
+            self.flush()
+            if len(state.arrived) >= arrived:
+                return
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                return
+            self._pump(timeout)
+
+
+def main(argv: list[str]) -> int:
+    from monarch.runtime.control import bootstrap
+    boot = bootstrap.start(argv)
+    worker = Worker(boot.sock, boot.rank)
+    record_logging(boot.rank)
+    set_client(worker)
+    worker.serve()
+    worker.flush()
+    worker.sender.close()
+    boot.sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

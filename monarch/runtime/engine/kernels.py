@@ -1,0 +1,98 @@
+"""The `monarch::` kernels: local helpers that per-rank programs call besides aten ops.
+
+Each takes local tensors and plain values and returns a new tensor (never a view of an input, so an
+in-place op on the result cannot reach a buffer another MeshTensor holds).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from monarch.errors import ShardingError
+
+
+def chunk(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """This rank's piece of a replicated tensor."""
+    return x.narrow(dim, start, length).clone()
+
+
+def partialize(x: torch.Tensor, keep: bool, op: str = "sum") -> torch.Tensor:
+    """A replicated tensor as Partial(op): the first rank of the dim keeps it, the others hold zeros (sum),
+    ones (prod), or keep it too (max and min, whose reduction of equal values is that value)."""
+    if keep or op in ("max", "min"):
+        return x.clone()
+    return torch.ones_like(x) if op == "prod" else torch.zeros_like(x)
+
+
+def constant(x: torch.Tensor) -> torch.Tensor:
+    """Data shipped by the controller (a distributed tensor's piece)."""
+    return x
+
+
+def random(kind: str, shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...],
+           seed: int | tuple[int, torch.Tensor], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The piece `bounds` of a global random tensor that depends only on `seed` (not on the placement);
+    in a compiled program the seed is (seed, this call's salt)."""
+    if isinstance(seed, tuple):
+        seed = (seed[0] * 1_000_003 + int(seed[1])) % (1 << 63)
+    gen = torch.Generator().manual_seed(seed)
+    full = RANDOM[kind](shape, gen, **kwargs)
+    for d, (start, n) in enumerate(bounds):
+        if (start, n) != (0, shape[d]):
+            full = full.narrow(d, start, n)
+    return full.contiguous()
+
+
+RANDOM: dict[str, Callable[..., torch.Tensor]] = {
+    "randn": lambda shape, gen, dtype: torch.randn(shape, generator=gen, dtype=dtype),
+    "rand": lambda shape, gen, dtype: torch.rand(shape, generator=gen, dtype=dtype),
+    "randint": lambda shape, gen, low, high, dtype: torch.randint(low, high, shape, generator=gen, dtype=dtype),
+}
+
+
+def arange(start: float, step: float, first: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements first..first+length of arange(start, ..., step)."""
+    return torch.arange(length, dtype=torch.float64 if dtype.is_floating_point else torch.int64).mul_(step).add_(
+        start + first * step).to(dtype)
+
+
+_LOCAL_FNS: dict[bytes, Callable[..., Any]] = {}
+
+
+Planned = tuple[tuple[tuple[int, ...], torch.dtype], ...]  # (local shape, dtype) of each output
+
+
+def local_map(fn: bytes, name: str, planned: Planned, *args: Any) -> Any:
+    """Run a user function (pickled by the controller) on this rank's pieces; its results must have the
+    local shapes and dtypes that tracing it on meta tensors planned (ShardingError otherwise)."""
+    f = _LOCAL_FNS.get(fn)
+    if f is None:
+        from monarch.runtime.control import codec
+        f = _LOCAL_FNS[fn] = codec.loads(fn)
+    out = f(*args)
+    multi = isinstance(out, (tuple, list))
+    outs = list(out) if multi else [out]
+    if len(outs) != len(planned):
+        raise ShardingError(f"local_map({name}) returned {len(outs)} results here, but tracing it on meta tensors "
+                         f"gave {len(planned)}; fn must return the same structure on real and on meta tensors")
+    for k, (o, (shape, dtype)) in enumerate(zip(outs, planned, strict=True)):
+        _check_planned(name, k, o, shape, dtype)
+    return tuple(o.contiguous() for o in outs) if multi else out.contiguous()
+
+
+def _check_planned(name: str, k: int, o: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    got = (tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None
+    if got != (shape, dtype):
+        have = f"{type(o).__name__} {o!r:.60}" if got is None else f"shape {got[0]} {got[1]}"
+        raise ShardingError(f"local_map({name}): result {k} has {have} here, but tracing fn on meta tensors planned "
+                         f"shape {shape} {dtype} for this rank; fn must give real tensors the shapes and dtypes "
+                         "it gives meta ones (do not branch on x.is_meta or on the values)")
+
+
+KERNELS: dict[str, Callable[..., Any]] = {
+    "monarch::chunk": chunk, "monarch::partialize": partialize, "monarch::constant": constant,
+    "monarch::random": random, "monarch::arange": arange,
+    "monarch::local_map": local_map, "monarch::matmul": torch.matmul,
+}

@@ -1,0 +1,97 @@
+"""The worker's tensor engine service: runs RunProgram messages on the Engine with the MPI transport.
+
+It maps the program's mesh view to this rank's coordinates and to the world ranks of each collective
+group, and packs the reply of a synchronising program (the fetched value, or the first error).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from monarch import config
+
+from monarch.runtime.control import codec
+from monarch.runtime.control.commands import InstallProgram, InvokeProgram, RunProgram
+from monarch.runtime.engine.engine import Engine
+from monarch.shape import Shape
+from monarch.runtime.telemetry.events import RECORDER, now_us
+from monarch.runtime.engine.transport.mpi import MpiTransport
+from monarch.program.instr import Free, Instr
+
+
+class TensorService:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        torch.set_num_threads(threads_per_worker())
+        self.engine = Engine(rank, MpiTransport(self._group))
+        self._view: Shape | None = None
+        self._coords: tuple[int, ...] = ()
+        self._places: dict[Shape, tuple[tuple[int, ...], str]] = {}
+        self.installed: dict[int, tuple[Shape, tuple[Instr, ...]]] = {}
+
+    def _group(self, mdim: int) -> tuple[int, ...]:
+        view, c = self._view, self._coords
+        assert view is not None
+        return tuple(view.rank_at(c[:mdim] + (k,) + c[mdim + 1:]) for k in range(view.sizes[mdim]))
+
+    def _place(self, view: Shape) -> tuple[tuple[int, ...], str]:
+        hit = self._places.get(view)
+        if hit is None:
+            point = view.point(view.ranks().index(self.rank))
+            hit = self._places[view] = (tuple(point.coords), point.label())
+        return hit
+
+    def handle(self, msg: InstallProgram | InvokeProgram) -> None:
+        if type(msg) is InstallProgram:
+            self.installed[msg.pid] = (msg.view, assemble(msg.shared, msg.patches))
+            return
+        assert type(msg) is InvokeProgram
+        view, program = self.installed[msg.pid]
+        self.engine.free(Free(msg.frees))
+        self._view = view
+        self._coords, label = self._place(view)
+        start = now_us()
+        outer = self.engine.bind(msg.inputs, msg.feeds)
+        try:
+            self.engine.run(program, self._coords, label)
+        finally:
+            self.engine.unbind(msg.outputs, outer)
+        if RECORDER.on:
+            RECORDER.add("ops", (self.rank, msg.pid, "compiled program", len(program), start, now_us()))
+
+    def run(self, msg: RunProgram) -> tuple[bool, bytes]:
+        self._view = msg.view
+        self._coords, label = self._place(msg.view)
+        start = now_us()
+        program = assemble(msg.shared, msg.patches)
+        self.engine.run(program, self._coords, label)
+        if RECORDER.on:
+            RECORDER.add("ops", (self.rank, 0, "eager flush", len(program), start, now_us()))
+        if not msg.call_id:
+            return True, b""
+        try:
+            value: Any = self.engine.fetch(msg.fetch)
+        except Exception as e:  # noqa: BLE001 - a remote error is the reply
+            return False, codec.dumps(e)
+        if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
+            value = value.clone()  # a view (a slice) would pickle its whole base tensor
+        return True, codec.dumps_data(value)
+
+
+def assemble(shared: bytes, patches: tuple[tuple[int, Any], ...]) -> tuple[Instr, ...]:
+    """A rank's program: the instructions all ranks share with this rank's own ones patched in."""
+    instrs = list(codec.loads(shared))
+    for i, ins in patches:
+        instrs[i] = ins
+    return tuple(instrs)
+
+
+def threads_per_worker() -> int:
+    """MONARCH_WORKER_THREADS, else this host's cores shared among its workers (MPI_LOCALNRANKS)."""
+    n = config.worker_threads()
+    if n > 0:
+        return n
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("MPI_LOCALNRANKS", "1")))

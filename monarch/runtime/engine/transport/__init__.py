@@ -1,0 +1,1 @@
+"""Data-plane transports: how the pieces of a collective move between ranks (MPI)."""

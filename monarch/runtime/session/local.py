@@ -1,0 +1,128 @@
+"""The single-process reference: a mesh simulated in this process, a test oracle for the real one.
+
+`LocalMesh({"dp": 2, "tp": 2})` can be passed wherever a ProcMesh is (`mesh=`, `distribute_tensor`).
+Its session partitions exactly like the real one, then steps every rank's program in lockstep with
+one Engine per rank and the collectives of `collectives.py`. It never replaces the multi-process
+path; tests compare the two, and both against plain torch.
+"""
+from __future__ import annotations
+
+from typing import Any, cast
+
+from monarch.errors import MeshError
+from monarch.graph.partition import RankProgram
+from monarch.graph.trace import TracedGraph
+from monarch.runtime.control import codec
+from monarch.program.collectives import RUN
+from monarch.runtime.engine.engine import Engine
+from monarch.runtime.control.futures import CallState, Future
+from monarch.runtime.session.session import Fetch, Session, _synced
+from monarch.shape import MeshView, Shape
+from monarch.program.instr import Comm, Free, Start
+
+
+def _bucket(engines: list[Engine], programs: tuple[RankProgram, ...], i: int, sizes: tuple[int, ...],
+            index: dict[tuple[int, ...], int]) -> None:
+    """A bucketed Start, finished at once for every group (its Wait then has nothing left to do)."""
+    done: set[tuple[int, ...]] = set()
+    for p in programs:
+        if p.coords in done:
+            continue
+        d = cast(Start, p.instrs[i]).mdim
+        members = [p.coords[:d] + (k,) + p.coords[d + 1:] for k in range(sizes[d])]
+        done.update(members)
+        starts = [cast(Start, programs[index[c]].instrs[i]) for c in members]
+        parts = [engines[index[c]].bucket_input(s) for c, s in zip(members, starts, strict=True)]
+        for c, s, out in zip(members, starts, RUN["all_reduce"](parts, starts[0]), strict=True):
+            engines[index[c]].bucket_output(s, out)
+
+
+class LocalMesh(MeshView):
+    """Named mesh dims simulated in this process."""
+
+    def __init__(self, dims: dict[str, int]) -> None:
+        self._shape = Shape.row_major(tuple(dims), tuple(int(n) for n in dims.values()))
+        self._session = ReferenceSession(self)
+
+    def _with_shape(self, shape: Shape) -> LocalMesh:
+        raise MeshError("a LocalMesh cannot be sliced; build a LocalMesh with the dims you need")
+
+    def __repr__(self) -> str:
+        return f"<LocalMesh {self.extent}>"
+
+
+class ReferenceSession(Session):
+    """A Session whose programs run here, on one Engine per mesh point."""
+
+    def __init__(self, mesh: LocalMesh) -> None:
+        super().__init__(mesh)
+        self.engines = [Engine(r) for r in range(len(mesh._shape))]
+        self._installed: dict[int, tuple[RankProgram, ...]] = {}
+
+    def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: Fetch | None = None,
+             sync: bool = False) -> Future[Any] | None:
+        self._count(programs)
+        run_lockstep(self.engines, programs, self.abstract.sizes, self._labels())
+        self.flushes += 1
+        if not sync:
+            return None
+        state = CallState(self.view, "reference program")
+        sources = fetch.sources() if fetch else {}
+        for r, eng in enumerate(self.engines):
+            try:
+                state.deliver(r, True, codec.dumps_data(eng.fetch(sources.get(r, 0))))
+            except Exception as e:  # noqa: BLE001
+                state.deliver(r, False, e)
+        return Future(state, None, fetch.assemble if fetch else _synced)  # type: ignore[arg-type]
+
+    def invoke(self, pid: int, install: tuple[RankProgram, ...] | None, inputs: tuple[tuple[int, int], ...],
+               outputs: tuple[tuple[int, int], ...], feeds: tuple[tuple[int, Any], ...],
+               frees: tuple[int, ...]) -> None:
+        if install is not None:
+            self._installed[pid] = install
+        programs = self._installed[pid]
+        self._count(programs)
+        outers = []
+        for eng in self.engines:
+            eng.free(Free(frees))
+            outers.append(eng.bind(inputs, feeds))
+        try:
+            run_lockstep(self.engines, programs, self.abstract.sizes, self._labels())
+        finally:
+            for eng, outer in zip(self.engines, outers, strict=True):
+                eng.unbind(outputs, outer)
+
+    def _labels(self) -> list[str]:
+        return [self.view.point(i).label() for i in range(len(self.view))]
+
+
+def run_lockstep(engines: list[Engine], programs: tuple[RankProgram, ...], sizes: tuple[int, ...],
+                 labels: list[str]) -> None:
+    """Run instruction i on every rank before instruction i+1; a Comm runs once per group."""
+    lengths = {len(p.instrs) for p in programs}
+    assert len(lengths) == 1, f"rank programs differ in length: {sorted(lengths)}"
+    for eng, p, label in zip(engines, programs, labels, strict=True):
+        eng.coords, eng.label = p.coords, label
+    index = {p.coords: i for i, p in enumerate(programs)}
+    for i in range(lengths.pop()):
+        first = programs[0].instrs[i]
+        if isinstance(first, Start):
+            _bucket(engines, programs, i, sizes, index)
+            continue
+        if not isinstance(first, Comm):
+            for eng, p in zip(engines, programs, strict=True):
+                eng.run((p.instrs[i],), p.coords, eng.label)
+            continue
+        done: set[tuple[int, ...]] = set()
+        for p in programs:
+            if p.coords in done:
+                continue
+            d = first.mdim
+            members = [p.coords[:d] + (k,) + p.coords[d + 1:] for k in range(sizes[d])]
+            done.update(members)
+            comms = [cast(Comm, programs[index[c]].instrs[i]) for c in members]
+            assert all(isinstance(c, Comm) for c in comms), f"instruction {i}: ranks disagree on a collective"
+            parts = [engines[index[c]].comm_input(ins) for c, ins in zip(members, comms, strict=True)]
+            outs = RUN[first.kind](parts, first)
+            for c, ins, out in zip(members, comms, outs, strict=True):
+                engines[index[c]].comm_output(ins, out)

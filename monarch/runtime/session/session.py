@@ -1,0 +1,268 @@
+"""The controller-side backend of MeshTensors on one proc mesh view: record, flush, fetch.
+
+A Session owns the view's tracer. Flushing closes the pending graph, partitions it, lowers it and
+sends every worker its program in one frame; a synchronising flush also collects one reply per
+rank (a piece of the fetched tensor from the ranks holding distinct pieces, errors from any), and
+errors are raised in rank order.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from monarch import config
+from monarch.graph.decompose import decomposition
+from monarch.graph.partition import RankProgram, partition
+from monarch.graph.rules.table import writes_first_arg
+from monarch.graph.trace import TracedGraph, Tracer
+from monarch.errors import TraceError, TransportError
+from monarch.runtime.control import codec
+from monarch.runtime.control.commands import InvokeProgram
+from monarch.runtime.control.controller import controller
+from monarch.runtime.control.futures import CallState, Future
+from monarch.runtime.session.lower import lower, lower_install
+from monarch.program.instr import Comm, Local, Start
+from monarch.tensor.meshtensor import MeshTensor
+from monarch.tensor.placement import Placement, Replicate, Shard
+from monarch.tensor.spec import AbstractMesh, Spec
+
+
+class Session:
+    """Backend of the MeshTensors of one proc mesh view."""
+
+    def __init__(self, procs: Any) -> None:
+        self.mesh = procs
+        self.view = procs._shape
+        self.abstract = AbstractMesh(tuple(self.view.labels), tuple(self.view.sizes))
+        self.tracer = Tracer(self.abstract, self)
+        self.flushes = 0
+        self.collectives: list[str] = []  # kind[dim] of every collective shipped, in order
+        self.flush_ops = config.flush_ops()
+        self.capturing = False
+        _all.add(self)
+        self._programs: dict[int, list[str]] = {}  # installed program id -> its collectives
+
+    @property
+    def live(self) -> bool:
+        """Whether the mesh still runs (a LocalMesh always does)."""
+        mesh = getattr(self.mesh, "_mesh", None)
+        return mesh is None or mesh.live
+
+    # -- Backend ---------------------------------------------------------------------------------
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if _generator(func, args, kwargs) is not None:
+            return self._with_generator(func, args, kwargs)
+        parts = decomposition(func)
+        if parts is not None:
+            return parts(*args, **kwargs)
+        if not _returns_tensors(func):  # item(), bool(t), torch.equal: a sync point, run on fetched data
+            self._sync_point(func.name())
+            return func(*_on_controller(args), **_on_controller(kwargs))
+        out = self.tracer.record(func, args, kwargs)
+        if self.tracer.n_ops >= self.flush_ops and not self.capturing:
+            self.flush()
+        return out
+
+    def _with_generator(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op given the user's torch.Generator runs here, on the fetched inputs, with that generator: its
+        numbers and the generator's state are plain torch's. The result is replicated; an in-place op (whose
+        target's values are never read) fills a blank tensor of the target's layout and copies it in."""
+        if self.capturing:
+            raise TraceError(f"{func.name()} with generator= inside a monarch.compile'd step would draw once, "
+                             "while the step is recorded; draw outside the step and pass the tensor in, or drop "
+                             "generator= to draw from monarch.manual_seed's stream")
+        if not writes_first_arg(func):
+            return self.tracer._constants(func(*_on_controller(args), **_on_controller(kwargs)))
+        target = args[0]
+        blank = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype)
+        return target.copy_(func(blank, *_on_controller(args[1:]), **_on_controller(kwargs)))
+
+    def redistribute(self, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
+        if placements == t._spec.placements:
+            return t
+        node, id = self.tracer._moved(t, t._spec.with_placements(placements))
+        return self.tracer.wrap(node.meta["specs"][0], node, id)
+
+    def fetch(self, t: MeshTensor) -> Future[torch.Tensor]:
+        """Partial dims are reduced on the workers; each distinct shard then comes to the controller."""
+        src = self.redistribute(t, tuple(Replicate() if p.is_partial() else p for p in t._spec.placements))
+        future = self.flush(Fetch.of(src), sync=True)
+        assert future is not None
+        return future
+
+    # -- shipping --------------------------------------------------------------------------------
+    def _sync_point(self, what: str) -> None:
+        if self.capturing:
+            raise TraceError(f"{what} inside a monarch.compile'd step needs tensor values, which a compiled step "
+                             "does not have while it is recorded; move it out of the step (return the tensor and "
+                             "read it after the call), or call monarch.synchronize() outside the step")
+
+    def flush(self, fetch: Fetch | None = None, sync: bool = False) -> Future[Any] | None:
+        """Ship the pending graph; with `sync`, a Future of the fetched tensor (None without `fetch`)."""
+        self._sync_point("reading a tensor (item, full_tensor, print, fetch, synchronize)")
+        traced = self.tracer.take()
+        return self.ship(traced, partition(traced), fetch, sync)
+
+    def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: Fetch | None = None,
+             sync: bool = False) -> Future[Any] | None:
+        self._count(programs)
+        ctl = controller()
+        call_id = ctl.next_call_id() if sync else 0
+        refused: list[TransportError] = []
+        pieces = self._frames(programs, call_id, fetch, refused)
+        state = CallState(self.view, f"tensor program on {self.mesh!r}") if sync else None
+        for frames in pieces[:-1]:
+            ctl.send_each(self.mesh._mesh.id, frames, 0, None)
+        ctl.send_each(self.mesh._mesh.id, pieces[-1], call_id, state)
+        self.flushes += 1
+        if refused:
+            raise refused[0]
+        return Future(state, ctl, fetch.assemble if fetch else _synced) if state is not None else None
+
+    def _frames(self, programs: tuple[RankProgram, ...], call_id: int, fetch: Fetch | None,
+                refused: list[TransportError]) -> list[dict[int, bytes]]:
+        """Each rank's frame, or, when one is over MONARCH_MAX_FRAME, the programs cut into consecutive
+        pieces that fit (the last one replies). An instruction too large alone (a constant's data) is not
+        sent: it poisons its outputs with the error, which `refused` gets too."""
+        limit = self.mesh._mesh.max_frame
+        msgs = lower(programs, self.view, call_id, fetch.sources() if fetch else None)
+        frames = {r: codec.encode_frame([m]) for r, m in msgs.items()}
+        big = max(frames.values(), key=len)
+        if codec.fits(big, limit):
+            return [frames]
+        if len(programs[0].instrs) > 1:
+            mid = len(programs[0].instrs) // 2
+            return (self._frames(_cut(programs, 0, mid), 0, None, refused)
+                    + self._frames(_cut(programs, mid, None), call_id, fetch, refused))
+        ins = programs[0].instrs[0]
+        assert isinstance(ins, Local), f"{ins!r} alone is over MONARCH_MAX_FRAME={limit}"
+        refused.append(codec.too_large(f"the data of {ins.op} (a tensor of this program for one rank)", big, limit))
+        refusal = Local("aten::_assert_scalar", (False, str(refused[-1])), {}, ins.outs)
+        return self._frames(tuple(replace(p, instrs=(refusal,)) for p in programs), call_id, fetch, refused)
+
+    def invoke(self, pid: int, install: tuple[RankProgram, ...] | None, inputs: tuple[tuple[int, int], ...],
+               outputs: tuple[tuple[int, int], ...], feeds: tuple[tuple[int, Any], ...],
+               frees: tuple[int, ...]) -> None:
+        """Run compiled program `pid` (installing it first when `install` is given): one frame per worker,
+        the same bytes for every worker once the program is installed."""
+        comms = self._comm_names(install) if install is not None else self._programs[pid]
+        call = InvokeProgram(pid, inputs, outputs, feeds, frees)
+        ranks = self.view.ranks()
+        if install is None:
+            frame = codec.encode_frame([call])
+            frames = dict.fromkeys(ranks, frame)
+        else:
+            installs = lower_install(pid, install, self.view)
+            frames = {r: codec.encode_frame([installs[r], call]) for r in ranks}
+        controller().send_each(self.mesh._mesh.id, frames, 0, None,
+                               "a call of a monarch.compile'd step (its program or plain tensor arguments)")
+        self._programs[pid] = comms
+        self.collectives.extend(comms)
+
+    def _count(self, programs: tuple[RankProgram, ...]) -> None:
+        self.collectives.extend(self._comm_names(programs))
+
+    def _comm_names(self, programs: tuple[RankProgram, ...]) -> list[str]:
+        """`kind[dim]` of each collective the programs run, in order."""
+        names = self.abstract.names
+        return [f"{i.kind}[{names[i.mdim]}]" if isinstance(i, Comm) else f"all_reduce[{names[i.mdim]}]"
+                for i in programs[0].instrs if isinstance(i, (Comm, Start))]
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        future = self.flush(sync=True)
+        assert future is not None
+        future.get(timeout)
+
+
+def _generator(func: Any, args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The torch.Generator an op was given (by keyword, or by position as torch.poisson's)."""
+    slot = _generator_slot(func)
+    if slot is None:
+        return None
+    i, name = slot
+    return args[i] if i < len(args) else kwargs.get(name)
+
+
+@functools.cache
+def _generator_slot(func: Any) -> tuple[int, str] | None:
+    return next(((i, a.name) for i, a in enumerate(func._schema.arguments) if "Generator" in str(a.type)), None)
+
+
+@functools.cache
+def _returns_tensors(func: Any) -> bool:
+    return any("Tensor" in str(r.type) for r in func._schema.returns)
+
+
+def _on_controller(obj: Any) -> Any:
+    """`obj` with every MeshTensor replaced by its full data."""
+    if isinstance(obj, MeshTensor):
+        return obj.full_tensor()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_controller(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _on_controller(v) for k, v in obj.items()}
+    return obj
+
+
+def _cut(programs: tuple[RankProgram, ...], start: int, stop: int | None) -> tuple[RankProgram, ...]:
+    """Instructions start..stop of every rank program (run one after the other, they do what all of it does)."""
+    return tuple(replace(p, instrs=p.instrs[start:stop]) for p in programs)
+
+
+def _synced(state: CallState) -> None:
+    """Raise the error of the lowest failing rank, if any."""
+    for i in range(len(state.raw)):
+        state.value(i)
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Buffer `id` comes to the controller: one rank per distinct piece sends it, then they are joined."""
+    id: int
+    spec: Spec
+    holders: tuple[int, ...]  # row-major indices of the ranks that send a piece
+
+    @staticmethod
+    def of(t: MeshTensor) -> Fetch:
+        spec = t._spec
+        kept = [d for d, p in enumerate(spec.placements) if not isinstance(p, Shard)]
+        holders = tuple(i for i, c in enumerate(spec.mesh.coords()) if all(c[d] == 0 for d in kept))
+        return Fetch(t._handle.id, spec, holders)
+
+    def sources(self) -> dict[int, int]:
+        return dict.fromkeys(self.holders, self.id)
+
+    def assemble(self, state: CallState) -> torch.Tensor:
+        values = [state.value(i) for i in range(len(state.raw))]
+        if len(self.holders) == 1:
+            return values[self.holders[0]]
+        out = torch.empty(self.spec.shape, dtype=self.spec.dtype)
+        coords = list(self.spec.mesh.coords())
+        for i in self.holders:
+            out[tuple(slice(s, s + n) for s, n in self.spec.bounds(coords[i]))] = values[i]
+        return out
+
+
+_sessions: dict[tuple[int, Any], Session] = {}
+_all: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def all_sessions() -> list[Session]:
+    """Every live Session (proc mesh views and LocalMeshes)."""
+    return list(_all)
+
+
+def session_of(procs: Any) -> Session:
+    """The Session of a ProcMesh view (one per view), or of a LocalMesh."""
+    own = getattr(procs, "_session", None)
+    if own is not None:
+        return own
+    key = (procs._mesh.id, procs._shape)
+    s = _sessions.get(key)
+    if s is None:
+        s = _sessions[key] = Session(procs)
+    return s

@@ -1,0 +1,153 @@
+"""The controller's admin endpoint: other local processes (`monarch query`, `monarch top`) run SQL here.
+
+A thread of the controller listens on loopback and announces its port and a random token in a file
+only this user can read (`$XDG_RUNTIME_DIR` or the temp dir, `monarch/controller-<pid>.json`). A
+client sends the token first (compared in constant time before anything else is read), then one
+JSON request `{"sql": ...}`; the answer is JSON `{"columns": [...], "rows": [...], "late": [...]}` (late:
+the ranks that did not send their events within WAIT_S) or `{"error": ...}`. Each connection has its
+own thread, at most MAX_CONNECTIONS at once (more are closed at once), and TOKEN_DEADLINE_S in all to
+send its token. Nothing a client sends is unpickled; the SQL is read-only (telemetry_db.py).
+"""
+from __future__ import annotations
+
+import atexit
+import hmac
+import json
+import os
+import secrets
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from monarch.runtime.telemetry.store import Rows
+
+TOKEN_BYTES = 32
+_LEN = struct.Struct("!I")
+MAX_REQUEST = 1 << 20
+WAIT_S = 2.0  # how long a query waits for the workers' newest events; a rank busy in a long call is skipped
+MAX_CONNECTIONS = 32     # connections served at once; the next ones are closed unanswered
+TOKEN_DEADLINE_S = 1.0   # an unauthenticated connection has this long, in all, to send its token
+REQUEST_DEADLINE_S = 10.0  # and once authenticated, this long to send its request
+
+
+def announce_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = Path(base) / f"monarch-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def send_json(sock: socket.socket, obj: Any) -> None:
+    data = json.dumps(obj, default=str).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_json(sock: socket.socket, limit: int = 1 << 30, deadline: float | None = None) -> Any:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+    if n > limit:
+        raise ValueError(f"a message of {n} bytes is over the limit of {limit}")
+    return json.loads(_recv_exact(sock, n, deadline))
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes from `sock`; TimeoutError once `deadline` (time.monotonic) has passed, however the
+    bytes trickle in."""
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(buf)} of {n} bytes arrived before the deadline")
+            sock.settimeout(left)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+class AdminServer:
+    """Answers SQL from local clients that know the token, each connection on its own thread."""
+
+    def __init__(self, answer: Callable[[str, float], Rows]) -> None:
+        self.answer = answer  # (sql, seconds to wait for the workers' events) -> rows: the controller's query
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.path = announce_dir() / f"controller-{os.getpid()}.json"
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._queries = threading.Lock()  # one query at a time reaches the controller
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": os.getpid(), "port": self.port, "token": self.token.hex()}, f)
+        atexit.register(self.close)
+        threading.Thread(target=self._serve, name="monarch-admin", daemon=True).start()
+
+    def close(self) -> None:
+        with suppress(OSError):
+            self.path.unlink()
+        with suppress(OSError):
+            self.listener.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):  # MAX_CONNECTIONS are being served
+                conn.close()
+                continue
+            threading.Thread(target=self._session, args=(conn,), name="monarch-admin-conn", daemon=True).start()
+
+    def _session(self, conn: socket.socket) -> None:
+        try:
+            with conn, suppress(OSError, ValueError, ConnectionError):
+                self._answer(conn)
+        finally:
+            self._slots.release()
+
+    def _answer(self, conn: socket.socket) -> None:
+        token = _recv_exact(conn, TOKEN_BYTES, time.monotonic() + TOKEN_DEADLINE_S)
+        if not hmac.compare_digest(token, self.token):
+            return
+        request = recv_json(conn, MAX_REQUEST, time.monotonic() + REQUEST_DEADLINE_S)
+        try:
+            with self._queries:
+                rows = self.answer(str(request["sql"]), WAIT_S)
+            send_json(conn, {"columns": rows.columns, "rows": [list(r) for r in rows], "late": rows.late})
+        except Exception as e:  # noqa: BLE001 - the client shows the error
+            send_json(conn, {"error": f"{type(e).__name__}: {e}"})
+
+
+def controllers() -> list[dict[str, Any]]:
+    """Announcements of the live controllers of this user, newest first."""
+    found = []
+    for path in announce_dir().glob("controller-*.json"):
+        with suppress(OSError, ValueError):
+            info = json.loads(path.read_text())
+            os.kill(int(info["pid"]), 0)
+            found.append((path.stat().st_mtime, info))
+    return [info for _, info in sorted(found, key=lambda x: x[0], reverse=True)]
+
+
+def query(sql: str, pid: int | None = None, timeout: float = 30.0) -> dict[str, Any]:
+    """Run `sql` on a controller (the newest one unless `pid` is given)."""
+    live = [c for c in controllers() if pid is None or c["pid"] == pid]
+    if not live:
+        raise ConnectionError("no running monarch controller found" + (f" with pid {pid}" if pid else ""))
+    info = live[0]
+    with socket.create_connection(("127.0.0.1", info["port"]), timeout=timeout) as sock:
+        try:
+            sock.sendall(bytes.fromhex(info["token"]))
+            send_json(sock, {"sql": sql})
+            return recv_json(sock)
+        except ConnectionError:
+            raise ConnectionError(f"controller {info['pid']} closed the connection unanswered: it serves at most "
+                                  f"{MAX_CONNECTIONS} connections at once, try again") from None

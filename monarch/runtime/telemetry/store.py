@@ -1,0 +1,220 @@
+"""The controller's telemetry database: an embedded DuckDB (in memory, or MONARCH_TELEMETRY_DB).
+
+Events from the controller itself and batches from the workers wait as they came (flat lists, see
+telemetry.Events) and are loaded into DuckDB, column by column through numpy, right before a query
+runs or once many are waiting; `sql()` returns `Rows`, a list of tuples that knows its column names.
+Each table keeps its newest MONARCH_TELEMETRY_RETAIN rows. Queries are read-only: the database has
+no file, network or extension access, its configuration is locked, and only read statements run.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from monarch import config
+from monarch.errors import MonarchError
+from monarch.runtime.telemetry.otel import Exporter, from_environment
+from monarch.runtime.telemetry.events import TABLES, WORKER_TABLES, Events, width
+
+
+LOAD_AT = 50_000  # pending events that are loaded into the database without waiting for a query
+COMPACT_AT = 50_000  # dropped rows after which a CHECKPOINT hands their memory back (DELETE only marks them)
+LOCKED = {"enable_external_access": False, "autoinstall_known_extensions": False,  # set before the tables exist
+          "autoload_known_extensions": False, "allow_community_extensions": False,
+          "python_enable_replacements": False}  # no scans of the caller's Python variables by name
+ALLOWED = "SELECT, WITH, VALUES, DESCRIBE, SHOW, SUMMARIZE, and EXPLAIN [ANALYZE] of one of those"
+
+
+class QueryRefused(MonarchError):
+    """A telemetry query tried something other than reading the tables (telemetry SQL is read-only)."""
+
+
+class Rows(list):
+    """Query results: a list of tuples, with `.columns`; `.df()` with pandas, `.arrow()` with pyarrow.
+    `.late` names the ranks (`mesh[rank]`) whose newest events were not in yet when the query ran."""
+
+    def __init__(self, rows: list[tuple], columns: list[str], late: list[str] | None = None) -> None:
+        super().__init__(rows)
+        self.columns = columns
+        self.late = late or []
+
+    def df(self) -> Any:
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("Rows.df() needs pandas: pip install pandas") from None
+        return pd.DataFrame(list(self), columns=self.columns)
+
+    def arrow(self) -> Any:
+        try:
+            import pyarrow as pa
+        except ImportError:
+            raise ImportError("Rows.arrow() needs pyarrow: pip install pyarrow") from None
+        return pa.table({c: [r[i] for r in self] for i, c in enumerate(self.columns)})
+
+
+class Store:
+    """Pending events and the DuckDB connection they are loaded into; each table keeps its newest
+    `retain` rows (MONARCH_TELEMETRY_RETAIN, 0: all), in order of arrival."""
+
+    def __init__(self, retain: int | None = None) -> None:
+        self._lock = threading.Lock()      # guards the pending batches
+        self._db_lock = threading.Lock()   # one thread at a time uses the DuckDB connection
+        self._pending: dict[str, deque[tuple[str, list]]] = {t: deque() for t in TABLES}  # (mesh, flat rows)
+        self._pending_rows = dict.fromkeys(TABLES, 0)
+        self._waiting = 0
+        self._stored = dict.fromkeys(TABLES, 0)  # rows of each table in the database
+        self._dropped = 0  # rows deleted since the last checkpoint
+        self._con: Any = None
+        self.retain = config.telemetry_retain() if retain is None else retain
+        self.exporter: Any = from_environment()
+
+    def export_to(self, provider: Any, meters: Any = None) -> None:
+        """Also send every later batch of events to these OpenTelemetry tracer and meter providers."""
+        self.exporter = Exporter(provider, meters)
+
+    def add(self, events: Events, mesh: str = "") -> None:
+        """Keep a batch; rows of the worker tables get `mesh` (the mesh of the process that sent them)."""
+        if self.exporter is not None:
+            self.exporter.export(events)
+        with self._lock:
+            for table, flat in events.rows.items():
+                if table in self._pending:
+                    n = len(flat) // width(table)
+                    self._pending[table].append((mesh, flat))
+                    self._pending_rows[table] += n
+                    self._waiting += n
+                    self._drop_pending(table)
+            full = self._waiting >= LOAD_AT
+        if full:  # nobody asked for a while: keep the events in DuckDB's columns, not as Python tuples
+            with self._db_lock:
+                self._load(self._connect())
+
+    def sql(self, query: str, late: list[str] | None = None) -> Rows:
+        """Run `query` over every event recorded so far (`late`: ranks known to be missing events).
+        Only reads run: anything else raises QueryRefused and changes nothing."""
+        import duckdb
+        with self._db_lock:
+            con = self._connect()
+            check_read_only(con, query)
+            self._load(con)
+            try:
+                cur = con.execute(query)
+                return Rows(cur.fetchall(), [d[0] for d in cur.description or ()], late)
+            except duckdb.PermissionException as e:
+                raise QueryRefused(f"telemetry SQL has no access to files, the network or extensions: {e}; "
+                                   f"query the tables ({', '.join(TABLES)}) instead") from None
+
+    def _drop_pending(self, table: str) -> None:
+        """Forget the oldest waiting batches of `table` that the retention would drop once loaded."""
+        batches, n = self._pending[table], width(table)
+        while self.retain and len(batches) > 1:
+            first = len(batches[0][1]) // n
+            if self._pending_rows[table] - first < self.retain:
+                return
+            batches.popleft()
+            self._pending_rows[table] -= first
+            self._waiting -= first
+
+    def _connect(self) -> Any:
+        if self._con is None:
+            import duckdb
+            con = duckdb.connect(config.telemetry_db() or ":memory:", config=LOCKED)
+            for table, cols in TABLES.items():
+                con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(f'{c} {t}' for c, t in cols)})")
+                self._stored[table] = con.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0]
+                self._drop_oldest(con, table)
+            con.execute("SET lock_configuration = true")
+            self._con = con
+        return self._con
+
+    def _load(self, con: Any) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {t: deque() for t in TABLES}
+            self._pending_rows = dict.fromkeys(TABLES, 0)
+            self._waiting = 0
+        keep = slice(-self.retain, None) if self.retain else slice(None)
+        for table, batches in pending.items():
+            if not batches:
+                continue
+            cols = TABLES[table]
+            data = {name: np.concatenate([np.array(part, dtype=object if kind == "VARCHAR" else np.int64)
+                                          for part in column])[keep]
+                    for (name, kind), column in zip(cols, _columns(table, batches), strict=True)}
+            con.register("_batch", data)
+            con.execute(f"INSERT INTO {table} SELECT {', '.join(c for c, _ in cols)} FROM _batch")
+            con.unregister("_batch")
+            self._stored[table] += len(data["rank"])
+            self._drop_oldest(con, table)
+        if self._dropped and self._dropped >= min(self.retain, COMPACT_AT):
+            con.execute("CHECKPOINT")
+            self._dropped = 0
+
+    def _drop_oldest(self, con: Any, table: str) -> None:
+        excess = self._stored[table] - self.retain
+        if self.retain and excess > 0:
+            oldest = f"SELECT rowid FROM {table} ORDER BY rowid LIMIT {excess}"
+            con.execute(f"DELETE FROM {table} WHERE rowid IN ({oldest})")
+            self._stored[table] = self.retain
+            self._dropped += excess
+
+
+def check_read_only(con: Any, query: str) -> None:
+    """Raise QueryRefused unless every statement of `query` only reads, as DuckDB's parser classifies
+    them (DESCRIBE, SHOW, SUMMARIZE and VALUES parse as SELECT); EXPLAIN must wrap a read, since
+    EXPLAIN ANALYZE runs what it wraps."""
+    for statement in con.extract_statements(query):
+        kind = statement.type.name
+        if kind == "SELECT" or kind == "EXPLAIN" and _reads(con, _explained(statement.query)):
+            continue
+        words = statement.query.split()
+        what = ("an EXPLAIN of something other than a read (EXPLAIN ANALYZE runs it)" if kind == "EXPLAIN"
+                else f"{words[0].upper() if words else kind} ({kind.lower()} statement)")
+        raise QueryRefused(f"telemetry SQL is read-only: refused {what}: {' '.join(words)[:80]!r}; "
+                           f"allowed: {ALLOWED}. Nothing was run.")
+
+
+def _reads(con: Any, text: str) -> bool:
+    """Whether `text` is exactly one SELECT statement."""
+    import duckdb
+    try:
+        statements = con.extract_statements(text)
+    except duckdb.Error:
+        return False
+    return len(statements) == 1 and statements[0].type.name == "SELECT"
+
+
+def _explained(text: str) -> str:
+    """What `EXPLAIN [ANALYZE] [(options)] <statement>` wraps, as text ('' when `text` is not that)."""
+    import duckdb
+    marks = duckdb.tokenize(text)
+    ends = [p for p, _ in marks[1:]] + [len(text)]
+    words = [(p, kind, text[p:q].strip().upper())
+             for (p, kind), q in zip(marks, ends, strict=True) if kind != duckdb.token_type.comment]
+    if not words or words[0][2] != "EXPLAIN":
+        return ""
+    i = 2 if len(words) > 1 and words[1][2] in ("ANALYZE", "ANALYSE") else 1
+    if i < len(words) and words[i][2] == "(":  # options: skip to the closing parenthesis
+        depth = 0
+        for i in range(i, len(words)):
+            if words[i][1] == duckdb.token_type.operator:
+                depth += words[i][2].count("(") - words[i][2].count(")")
+            if depth == 0:
+                break
+        i += 1
+    return text[words[i][0]:] if i < len(words) else ""
+
+
+def _columns(table: str, batches: list[tuple[str, list]]) -> list[list[list]]:
+    """Per column of `table`, its values in each batch (the mesh column filled in for worker tables)."""
+    n = width(table)
+    columns = [[flat[i::n] for _, flat in batches] for i in range(n)]
+    if table in WORKER_TABLES:
+        columns.insert(1, [[mesh] * (len(flat) // n) for mesh, flat in batches])
+    return columns
+
+
+STORE = Store()

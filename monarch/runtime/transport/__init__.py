@@ -1,1 +1,0 @@
-"""The data plane: moving shards between workers (MPI by default)."""
