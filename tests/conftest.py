@@ -62,6 +62,17 @@ def leftovers(owner: int, allowed: set[int], timeout: float = 10.0) -> dict[int,
         time.sleep(0.05)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `slow` every test that starts worker processes: it uses a mesh fixture, or its module spawns."""
+    spawns: dict[Path, bool] = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in spawns:
+            spawns[path] = "spawn_procs(" in path.read_text()
+        if spawns[path] or "procs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def no_orphans() -> Iterator[None]:
     yield

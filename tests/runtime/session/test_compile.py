@@ -185,7 +185,7 @@ def test_a_replayed_step_sends_one_frame_per_worker(procs) -> None:
 
 
 def test_worker_buffers_stay_flat_over_1000_steps_on_procs(procs) -> None:
-    from tests.test_meshtensor import BufferCount
+    from tests.tensor.test_meshtensor import BufferCount
     counter = procs.spawn("compiled_buffer_count", BufferCount)
     w1, w2, x, y = sharded(procs, {"dp": 2, "tp": 2})
     opt = torch.optim.AdamW([w1, w2], lr=1e-3)

@@ -66,7 +66,7 @@ def test_the_monarch_command_is_installed(controller_pid: int) -> None:
     """setup.cfg declares the `monarch` console script; the installed script runs `--help` and a query."""
     import configparser
     cfg = configparser.ConfigParser()
-    cfg.read(Path(__file__).parents[1] / "setup.cfg")
+    cfg.read(Path(__file__).parents[3] / "setup.cfg")
     assert "monarch = monarch.__main__:main" in cfg.get("options.entry_points", "console_scripts", fallback="")
     script = Path(sys.executable).parent / "monarch"
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=T)

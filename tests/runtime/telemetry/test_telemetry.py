@@ -282,7 +282,7 @@ def test_recording_creates_no_objects_for_the_garbage_collector() -> None:
 
 
 def test_the_readme_documents_every_column() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
     documented = {m[1]: re.sub(r"\s*\([^)]*\)", "", m[2]).split(", ")
                   for m in re.finditer(r"^\| `(\w+)` \| (.+) \|$", readme, re.M)}
     assert documented == {table: [c for c, _ in cols] for table, cols in TABLES.items()}

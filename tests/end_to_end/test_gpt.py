@@ -16,7 +16,7 @@ import monarch
 from monarch import MeshTensor, Replicate, Shard
 from monarch.runtime.session.local import LocalMesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
 
 CFG = gpt.GPTConfig(d_model=32, n_layer=2, n_head=4, context=16)
