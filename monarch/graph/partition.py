@@ -7,7 +7,6 @@ node that reads it.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import networkx as nx
 import torch.fx as fx
@@ -15,17 +14,7 @@ import torch.fx as fx
 from monarch.graph.rules.table import Emit, op_name
 from monarch.graph.trace import TracedGraph, redistribute
 from monarch.program.instr import Free, Instr, Local
-
-
-@dataclass(frozen=True)
-class RankProgram:
-    """What one mesh point runs for one flushed graph; it knows the abstract mesh only (coordinates, mesh
-    dims by index), and lowering binds it to the processes of a concrete mesh view."""
-    coords: tuple[int, ...]
-    instrs: tuple[Instr, ...]
-
-    def __str__(self) -> str:
-        return "\n".join([f"rank {self.coords}:"] + [f"  {ins!r}" for ins in self.instrs])
+from monarch.program.program import RankProgram
 
 
 def partition(traced: TracedGraph) -> tuple[RankProgram, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from monarch.graph.partition import RankProgram
+from monarch.program.program import RankProgram
 from monarch.program.instr import Buf, Comm, Instr, Local, Start, Wait
 
 

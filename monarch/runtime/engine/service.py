@@ -19,6 +19,7 @@ from monarch.shape import Shape
 from monarch.runtime.telemetry.events import RECORDER, now_us
 from monarch.runtime.engine.transport.mpi import MpiTransport
 from monarch.program.instr import Free, Instr
+from monarch.program.program import assemble
 
 
 class TensorService:
@@ -78,14 +79,6 @@ class TensorService:
         if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
             value = value.clone()  # a view (a slice) would pickle its whole base tensor
         return True, codec.dumps_data(value)
-
-
-def assemble(shared: bytes, patches: tuple[tuple[int, Any], ...]) -> tuple[Instr, ...]:
-    """A rank's program: the instructions all ranks share with this rank's own ones patched in."""
-    instrs = list(codec.loads(shared))
-    for i, ins in patches:
-        instrs[i] = ins
-    return tuple(instrs)
 
 
 def threads_per_worker() -> int:

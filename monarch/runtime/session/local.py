@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from monarch.errors import MeshError
-from monarch.graph.partition import RankProgram
+from monarch.program.program import RankProgram
 from monarch.graph.trace import TracedGraph
 from monarch.runtime.control import codec
 from monarch.program.collectives import RUN

@@ -16,7 +16,8 @@ import torch
 
 from monarch import config
 from monarch.graph.decompose import decomposition
-from monarch.graph.partition import RankProgram, partition
+from monarch.graph.partition import partition
+from monarch.program.program import RankProgram
 from monarch.graph.rules.table import writes_first_arg
 from monarch.graph.trace import TracedGraph, Tracer
 from monarch.errors import TraceError, TransportError
