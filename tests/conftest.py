@@ -6,6 +6,9 @@ process (mpiexec, monitor or worker) that does not belong to a mesh still open i
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +63,12 @@ def leftovers(owner: int, allowed: set[int], timeout: float = 10.0) -> dict[int,
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+def run_script(body: str) -> subprocess.Popen:
+    """Run `body` (dedented) as a separate controller process, its stdout piped back as text."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -4,14 +4,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import owned_processes
+from conftest import owned_processes, run_script
 from monarch.actor import Actor, MeshFailure, endpoint, this_host
 from monarch.errors import SpawnError, SupervisionError
 
@@ -103,14 +101,8 @@ def test_worker_crash_on_import_reports_stderr(tmp_path: Path) -> None:
     assert "simulated broken mpi4py install" in str(info.value) and "exited with code 1" in str(info.value)
 
 
-def _run_script(body: str, timeout: float = 60) -> subprocess.Popen:
-    code = textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
-
-
 def test_interpreter_exit_stops_workers() -> None:
-    child = _run_script("""
+    child = run_script("""
         from monarch.actor import this_host
         procs = this_host().spawn_procs(per_host={"gpus": 2})
         print(procs.pids, flush=True)
@@ -124,7 +116,7 @@ def test_interpreter_exit_stops_workers() -> None:
 
 
 def test_workers_exit_when_the_controller_is_killed() -> None:
-    child = _run_script("""
+    child = run_script("""
         import time
         from monarch.actor import this_host
         procs = this_host().spawn_procs(per_host={"gpus": 2})
@@ -136,7 +128,7 @@ def test_workers_exit_when_the_controller_is_killed() -> None:
 
 def test_busy_workers_die_with_a_killed_controller() -> None:
     """Workers in the middle of long work do not finish it first: their monitors see the controller go."""
-    child = _run_script("""
+    child = run_script("""
         import time
         from monarch.actor import Actor, endpoint, this_host
 

@@ -19,14 +19,14 @@ from textual.widgets import Static
 
 from monarch.runtime.telemetry.admin import TOKEN_BYTES, announce_dir, recv_json, send_json
 from monarch.runtime.telemetry.top import SqlPrompt, Top
-from test_supervision import _run_script
+from conftest import run_script
 
 T = 60
 
 
 @pytest.fixture(scope="module")
 def controller_pid() -> Iterator[int]:
-    child = _run_script("""
+    child = run_script("""
         import time
         from monarch.actor import Actor, endpoint, this_host
 

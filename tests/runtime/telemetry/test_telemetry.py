@@ -289,9 +289,9 @@ def test_the_readme_documents_every_column() -> None:
 
 
 def test_each_table_keeps_the_newest_rows_within_the_retention(monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_supervision import _run_script
+    from conftest import run_script
     monkeypatch.setenv("MONARCH_TELEMETRY_RETAIN", "1000")  # the child controller's
-    child = _run_script("""
+    child = run_script("""
         import json, time
         from monarch.actor import Actor, endpoint, this_host
         from monarch.runtime.telemetry.events import TABLES, now_us
