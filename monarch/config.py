@@ -1,13 +1,14 @@
 """Every environment flag monarch reads, declared once and typed.
 
-Read a flag through its accessor (`config.debug()`), never `os.environ` elsewhere; the table below is
-the documentation (`python -m monarch.config` prints it).
+Read a flag through its typed accessor (`config.debug()`), never `os.environ` elsewhere; variables of
+other systems (MPI, Slurm, XDG, OpenTelemetry) are declared in EXTERNAL and read with `external(name)`.
+The tables below are the documentation (`python -m monarch.config` prints them).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,32 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_TELEMETRY_RETAIN", "100000", "telemetry rows kept per table on the controller; the oldest "
          "are dropped beyond it (0: keep all)"),
     Flag("MONARCH_MAX_LOCAL_PROCS", "", "most worker processes of one local mesh (default: 16 per core)"),
+    Flag("MONARCH_WORKER_TOKEN", "", "set by the controller, not by users: the mesh token (hex) of workers on "
+         "other hosts than the controller's; read once at start-up and removed"),
 ]}
 
 
-def _get(name: str, cast: Callable[[str], object]):
+EXTERNAL: dict[str, Flag] = {f.name: f for f in [
+    Flag("PMI_RANK", "", "this worker's rank, from MPICH's Hydra (PMI)"),
+    Flag("PMIX_RANK", "", "this worker's rank, from a PMIx process manager"),
+    Flag("OMPI_COMM_WORLD_RANK", "", "this worker's rank, from Open MPI's mpirun"),
+    Flag("SLURM_PROCID", "", "this worker's rank, from Slurm's srun"),
+    Flag("MPI_LOCALNRANKS", "1", "ranks of the MPI job on this host (MPICH's Hydra), to share its cores"),
+    Flag("XDG_RUNTIME_DIR", "", "where the admin endpoint announces itself (default: the temp dir)"),
+    Flag("OTEL_EXPORTER_OTLP_ENDPOINT", "", "set: telemetry is exported there with OpenTelemetry (otel.py)"),
+]}
+
+
+def external(name: str) -> str:
+    """A variable that another system defines and sets (MPI, Slurm, XDG, OpenTelemetry), read as it is;
+    it must be declared in EXTERNAL. Monarch's own flags have typed accessors below."""
+    return EXTERNAL[name].raw()
+
+
+T = TypeVar("T")
+
+
+def _parse(name: str, cast: Callable[[str], T]) -> T:
     flag = FLAGS[name]
     try:
         return cast(flag.raw())
@@ -54,84 +77,110 @@ def _get(name: str, cast: Callable[[str], object]):
         raise ValueError(f"{name}={flag.raw()!r} is not valid ({flag.help}): {e}") from None
 
 
-def _bool(s: str) -> bool:
+def _truthy(s: str) -> bool:
     return s.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _bool(name: str) -> bool:
+    return _parse(name, _truthy)
+
+
+def _int(name: str) -> int:
+    return _parse(name, int)
+
+
+def _float(name: str) -> float:
+    return _parse(name, float)
+
+
+def _str(name: str) -> str:
+    return FLAGS[name].raw()
+
+
 def debug() -> bool:
-    return bool(_get("MONARCH_DEBUG", _bool))
+    return _bool("MONARCH_DEBUG")
 
 
 def host() -> str:
-    return str(_get("MONARCH_HOST", str))
+    return _str("MONARCH_HOST")
 
 
 def mpiexec() -> str:
-    return str(_get("MONARCH_MPIEXEC", str))
+    return _str("MONARCH_MPIEXEC")
 
 
 def spawn_timeout() -> float:
-    return float(_get("MONARCH_SPAWN_TIMEOUT", float))  # type: ignore[arg-type]
+    return _float("MONARCH_SPAWN_TIMEOUT")
 
 
 def max_frame() -> int:
-    return int(_get("MONARCH_MAX_FRAME", int))  # type: ignore[arg-type]
+    return _int("MONARCH_MAX_FRAME")
 
 
 def death_grace() -> float:
-    return float(_get("MONARCH_DEATH_GRACE", float))  # type: ignore[arg-type]
+    return _float("MONARCH_DEATH_GRACE")
 
 
 def spin_seconds() -> float:
-    return float(_get("MONARCH_SPIN_US", float)) * 1e-6  # type: ignore[arg-type]
+    return _float("MONARCH_SPIN_US") * 1e-6
 
 
 def strict() -> bool:
-    return bool(_get("MONARCH_STRICT", _bool))
+    return _bool("MONARCH_STRICT")
 
 
 def worker_threads() -> int:
-    return int(_get("MONARCH_WORKER_THREADS", int))  # type: ignore[arg-type]
+    return _int("MONARCH_WORKER_THREADS")
 
 
 def bucket_bytes() -> int:
-    return int(_get("MONARCH_BUCKET_BYTES", int))  # type: ignore[arg-type]
+    return _int("MONARCH_BUCKET_BYTES")
 
 
 def telemetry() -> bool:
-    return bool(_get("MONARCH_TELEMETRY", _bool))
+    return _bool("MONARCH_TELEMETRY")
 
 
 def profile() -> bool:
-    return bool(_get("MONARCH_PROFILE", _bool))
+    return _bool("MONARCH_PROFILE")
 
 
 def telemetry_db() -> str:
-    return str(_get("MONARCH_TELEMETRY_DB", str))
+    return _str("MONARCH_TELEMETRY_DB")
 
 
 def admin() -> bool:
-    return bool(_get("MONARCH_ADMIN", _bool))
+    return _bool("MONARCH_ADMIN")
 
 
 def flush_ops() -> int:
-    return int(_get("MONARCH_FLUSH_OPS", int))  # type: ignore[arg-type]
+    return _int("MONARCH_FLUSH_OPS")
 
 
 def heartbeat_timeout() -> float:
-    return float(_get("MONARCH_HEARTBEAT_TIMEOUT", float))  # type: ignore[arg-type]
+    return _float("MONARCH_HEARTBEAT_TIMEOUT")
 
 
 def telemetry_retain() -> int:
-    return int(_get("MONARCH_TELEMETRY_RETAIN", int))  # type: ignore[arg-type]
+    return _int("MONARCH_TELEMETRY_RETAIN")
 
 
 def max_local_procs() -> int:
     """MONARCH_MAX_LOCAL_PROCS, else 16 worker processes per core of this host."""
-    raw = FLAGS["MONARCH_MAX_LOCAL_PROCS"].raw().strip()
-    return int(_get("MONARCH_MAX_LOCAL_PROCS", int)) if raw else 16 * (os.cpu_count() or 1)  # type: ignore[arg-type]
+    return _int("MONARCH_MAX_LOCAL_PROCS") if _str("MONARCH_MAX_LOCAL_PROCS").strip() else 16 * (os.cpu_count() or 1)
+
+
+def take_worker_token() -> bytes:
+    """The mesh token from MONARCH_WORKER_TOKEN, removed from this process's environment as it is read."""
+    token = _parse("MONARCH_WORKER_TOKEN", bytes.fromhex)
+    os.environ.pop("MONARCH_WORKER_TOKEN", None)
+    return token
+
+
+def _table(flags: dict[str, Flag], width: int) -> str:
+    return "\n".join(f"{f.name:{width}} default {f.default!r:14} {f.help}" for f in flags.values())
 
 
 if __name__ == "__main__":
-    for f in FLAGS.values():
-        print(f"{f.name:24} default {f.default!r:14} {f.help}")
+    width = max(map(len, [*FLAGS, *EXTERNAL]))
+    print(_table(FLAGS, width), "\nread as other systems set them:", _table(EXTERNAL, width), sep="\n")

@@ -19,12 +19,13 @@ from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
 
+from monarch import config
 from monarch.runtime.control.codec import ROLE_MONITOR, ROLE_WORKER, Header, encode_frame
 from monarch.runtime.control.commands import Hello, ProcExit
 from monarch.shape import Shape
 
-TOKEN_ENV = "MONARCH_WORKER_TOKEN"  # how ranks on other hosts than the controller's get the token, for now
-_RANK_ENVS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+TOKEN_ENV = "MONARCH_WORKER_TOKEN"  # ranks on other hosts get the token there, for now (config.take_worker_token)
+_RANK_ENVS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")  # declared in config.EXTERNAL
 OWNER_CHECK_S = 1.0  # how often a monitor looks for its controller while the worker is quiet
 
 
@@ -72,8 +73,8 @@ def parse(argv: list[str]) -> Launch:
     host, port = a.controller.rsplit(":", 1)
     dims = [d.split("=") for d in a.dims.split(",") if d]
     shape = Shape.row_major(tuple(k for k, _ in dims), tuple(int(v) for _, v in dims))
-    rank = next((int(os.environ[k]) for k in _RANK_ENVS if k in os.environ), 0)
-    token = take_token(token_file(a.token_dir, rank)) if a.token_dir else bytes.fromhex(os.environ.pop(TOKEN_ENV, ""))
+    rank = next((int(v) for k in _RANK_ENVS if (v := config.external(k))), 0)
+    token = take_token(token_file(a.token_dir, rank)) if a.token_dir else config.take_worker_token()
     return Launch(host, int(port), a.mesh_id, shape, token, rank, a.owner)
 
 

@@ -22,6 +22,7 @@ from monarch.runtime.control.commands import Call, Reply
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.poller import Poller
 from monarch.shape import Shape
+from monarch.runtime.telemetry.events import RECORDER, error_text, now_us
 from monarch.runtime.telemetry.store import STORE
 
 log = logging.getLogger("monarch.controller")
@@ -152,6 +153,22 @@ class Mesh:
     @property
     def live(self) -> bool:
         return self.failure is None and not self.stopping
+
+    def deliver(self, msg: Reply) -> None:
+        """Hand a reply to the pending call it answers (recording a remote error as a failure)."""
+        sink = self.pending.get((msg.reply_to, msg.call_id))
+        if not msg.ok and RECORDER.on:
+            RECORDER.add("failures", (msg.rank, self.name, "remote error", getattr(sink, "what", ""),
+                                      error_text(msg.value), now_us()))
+        if sink is not None:
+            sink.deliver(msg.rank, msg.ok, msg.value)
+            if sink.done:
+                self.pending.pop((msg.reply_to, msg.call_id), None)
+
+    def fail_pending(self, err: BaseException) -> None:
+        for sink in list(self.pending.values()):
+            sink.fail_missing(err)
+        self.pending.clear()
 
     def awaiting_telemetry(self) -> frozenset[int]:
         """Ranks that have not answered a request for their events yet."""

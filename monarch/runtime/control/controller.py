@@ -2,8 +2,8 @@
 
 One background thread polls every socket and pipe (epoll): it authenticates new connections, delivers
 replies to CallStates, forwards actor-to-actor calls, copies worker output to this process's stdout and
-stderr, and fails every pending call of a mesh whose worker died or went silent (heartbeat.py). User
-threads send directly.
+stderr, and fails every pending call of a mesh whose worker died or went silent (heartbeat.py); a peer's
+messages dispatch by type through `HANDLERS`. User threads send directly.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, Te
 from monarch.runtime.control.futures import CallState, deadline_of
 from monarch.runtime.control.poller import Poller
 from monarch.shape import Shape
-from monarch.runtime.telemetry.events import RECORDER, Events, error_text, now_us, output_lines
+from monarch.runtime.telemetry.events import RECORDER, Events, now_us, output_lines
 from monarch.runtime.telemetry.store import STORE, Rows
 
 log = logging.getLogger("monarch.controller")
@@ -127,10 +127,12 @@ class Controller:
     def _send_rank(self, mesh: Mesh, r: int, frame: bytes) -> None:
         mesh.frames += 1
         conn = mesh.conns[r]
+        if conn is None:  # the rank never connected: lost like one whose send fails
+            self._conn_lost(mesh, r)
+            return
         try:
-            assert conn is not None, f"rank {r} of {mesh.name} has no connection"
             conn.send(frame)
-        except (OSError, AssertionError):
+        except OSError:
             self._conn_lost(mesh, r)
 
     # -- spawning and stopping -------------------------------------------------------------------
@@ -183,9 +185,7 @@ class Controller:
             launch.terminate(mesh.proc, grace)
         err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} was stopped; spawn a new proc mesh")
         self._ended[mesh.id] = err
-        for sink in list(mesh.pending.values()):
-            sink.fail_missing(err)
-        mesh.pending.clear()
+        mesh.fail_pending(err)
         for conn in mesh.conns:
             if conn is not None:
                 self.close(conn)
@@ -315,35 +315,37 @@ class Controller:
         return True
 
     def handle(self, conn: Conn, msg: Any) -> None:
+        handler = HANDLERS.get(type(msg))
+        if handler is None:
+            assert conn.header is not None
+            log.warning("monarch controller: dropped unexpected %s from rank %d", type(msg).__name__, conn.header.rank)
+            return
+        handler(self, conn, msg)
+
+    def _reply(self, conn: Conn, msg: Reply) -> None:
+        assert conn.mesh is not None
+        conn.mesh.deliver(msg)
+
+    def _events(self, conn: Conn, msg: Events) -> None:
+        assert conn.mesh is not None
+        STORE.add(msg, conn.mesh.name)
+
+    def _hello(self, conn: Conn, msg: Hello) -> None:
+        mesh, header = conn.mesh, conn.header
+        assert mesh is not None and header is not None
+        mesh.pids[header.rank] = msg.pid
+        RECORDER.add("procs", (header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
+        if mesh.heartbeat > 0:
+            with suppress(OSError):  # the peer is gone: its reader sees the EOF
+                conn.send(codec.encode_frame([Heartbeat(heartbeat.interval(mesh.heartbeat))]))
+        if all(c is not None for c in mesh.conns) and all(mesh.pids):
+            mesh.settled.set()
+
+    def _proc_exit(self, conn: Conn, msg: ProcExit) -> None:
         mesh = conn.mesh
-        assert mesh is not None and conn.header is not None
-        kind = type(msg)
-        if kind is Reply:
-            sink = mesh.pending.get((msg.reply_to, msg.call_id))
-            if not msg.ok and RECORDER.on:
-                RECORDER.add("failures", (msg.rank, mesh.name, "remote error", getattr(sink, "what", ""),
-                                          error_text(msg.value), now_us()))
-            if sink is not None:
-                sink.deliver(msg.rank, msg.ok, msg.value)
-                if sink.done:
-                    mesh.pending.pop((msg.reply_to, msg.call_id), None)
-        elif kind is Forward:
-            self._forward(conn, msg)
-        elif kind is Events:
-            STORE.add(msg, mesh.name)
-        elif kind is Hello:
-            mesh.pids[conn.header.rank] = msg.pid
-            RECORDER.add("procs", (conn.header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
-            if mesh.heartbeat > 0:
-                with suppress(OSError):  # the peer is gone: its reader sees the EOF
-                    conn.send(codec.encode_frame([Heartbeat(heartbeat.interval(mesh.heartbeat))]))
-            if all(c is not None for c in mesh.conns) and all(mesh.pids):
-                mesh.settled.set()
-        elif kind is ProcExit:
-            mesh.stderr_tail.extend(msg.stderr_tail.splitlines())
-            self._fail(mesh, msg.rank, msg.pid, describe_status(msg.wait_status))
-        else:
-            log.warning("monarch controller: dropped unexpected %s from rank %d", kind.__name__, conn.header.rank)
+        assert mesh is not None
+        mesh.stderr_tail.extend(msg.stderr_tail.splitlines())
+        self._fail(mesh, msg.rank, msg.pid, describe_status(msg.wait_status))
 
     def _forward(self, source: Conn, msg: Forward) -> None:
         assert source.mesh is not None and source.header is not None
@@ -391,9 +393,7 @@ class Controller:
         RECORDER.add("failures", (rank, mesh.name, "supervision", failure.who, status, now))
         RECORDER.add("procs", (rank, mesh.name, pid, "", "died", status, now))
         mesh.settled.set()
-        for sink in list(mesh.pending.values()):
-            sink.fail_missing(mesh.failure)
-        mesh.pending.clear()
+        mesh.fail_pending(mesh.failure)
         log.warning("monarch: %s", failure.message())
         if mesh.proc is not None:
             launch.kill_group(mesh.proc)
@@ -402,6 +402,10 @@ class Controller:
             if other.live:
                 self.fan_out(other, other.shape, frame)
 
+
+HANDLERS: dict[type, Callable[[Controller, Conn, Any], None]] = {  # by the type of a message from a peer
+    Reply: Controller._reply, Forward: Controller._forward, Events: Controller._events, Hello: Controller._hello,
+    ProcExit: Controller._proc_exit}
 
 _controller: Controller | None = None
 _controller_lock = threading.Lock()

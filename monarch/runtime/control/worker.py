@@ -49,11 +49,6 @@ class Worker:
         self._stopped = False
         self._busy: set[str] = set()
         self._spin = AdaptiveSpin(config.spin_seconds())
-        self._handlers: dict[type, Callable[[Any], None]] = {
-            SpawnActor: self._spawn, Call: self._call, Reply: self._reply, Stop: self._stop, Supervise: self._supervise,
-            RunProgram: self._run_program, InstallProgram: self._tensor_msg, InvokeProgram: self._tensor_msg,
-            ShipTelemetry: self._ship_telemetry, Heartbeat: lambda msg: self.sender.beat(msg.every),
-        }
         self._arrived: dict[int, int] = {}  # id(Call) -> when it arrived (µs), for the messages table
         self._ran: list[tuple[Call, int, int, bool]] = []  # calls run since the last flush: start, end, ok
         self._tensors: Any = None  # the tensor engine, created (with torch) on the first RunProgram
@@ -75,7 +70,7 @@ class Worker:
             if self._busy and not (type(msg) is SpawnActor or (type(msg) is Call and msg.actor not in self._busy)):
                 skipped.append(msg)
                 continue
-            self._handlers[type(msg)](msg)
+            HANDLERS[type(msg)](self, msg)
         self._inbox.extendleft(reversed(skipped))
 
     def _recv(self, timeout: float | None) -> bytes | None:
@@ -112,7 +107,7 @@ class Worker:
             for msg in msgs:
                 if type(msg) is Reply:
                     self._reply(msg)
-                elif type(msg) in self._handlers:
+                elif type(msg) in HANDLERS:
                     if type(msg) is Call and arrived:
                         self._arrived[id(msg)] = arrived
                     self._inbox.append(msg)
@@ -191,8 +186,11 @@ class Worker:
             if state.done:
                 del self._pending[msg.call_id]
 
-    def _tensor_msg(self, msg: InstallProgram | InvokeProgram) -> None:
-        self._tensor_service().handle(msg)
+    def _install(self, msg: InstallProgram) -> None:
+        self._tensor_service().install(msg)
+
+    def _invoke(self, msg: InvokeProgram) -> None:
+        self._tensor_service().invoke(msg)
 
     def _tensor_service(self) -> Any:
         if self._tensors is None:
@@ -221,6 +219,9 @@ class Worker:
         RECORDER.add("memory", (self.rank, rss_bytes(), sum(t.nbytes for t in tensors), len(tensors), *cuda_bytes(),
                                 now_us()))
         self._sampled = time.monotonic()
+
+    def _heartbeat(self, msg: Heartbeat) -> None:
+        self.sender.beat(msg.every)
 
     def _stop(self, msg: Stop) -> None:
         self._stopped = True
@@ -252,6 +253,12 @@ class Worker:
             if timeout is not None and timeout <= 0:
                 return
             self._pump(timeout)
+
+
+HANDLERS: dict[type, Callable[[Worker, Any], None]] = {  # by message type (Reply is run as it arrives)
+    SpawnActor: Worker._spawn, Call: Worker._call, Reply: Worker._reply, Stop: Worker._stop,
+    Supervise: Worker._supervise, Heartbeat: Worker._heartbeat, ShipTelemetry: Worker._ship_telemetry,
+    RunProgram: Worker._run_program, InstallProgram: Worker._install, InvokeProgram: Worker._invoke}
 
 
 def main(argv: list[str]) -> int:

@@ -44,11 +44,10 @@ class TensorService:
             hit = self._places[view] = (tuple(point.coords), point.label())
         return hit
 
-    def handle(self, msg: InstallProgram | InvokeProgram) -> None:
-        if type(msg) is InstallProgram:
-            self.installed[msg.pid] = (msg.view, assemble(msg.shared, msg.patches))
-            return
-        assert type(msg) is InvokeProgram
+    def install(self, msg: InstallProgram) -> None:
+        self.installed[msg.pid] = (msg.view, assemble(msg.shared, msg.patches))
+
+    def invoke(self, msg: InvokeProgram) -> None:
         view, program = self.installed[msg.pid]
         self.engine.free(Free(msg.frees))
         self._view = view
@@ -87,4 +86,4 @@ def threads_per_worker() -> int:
     if n > 0:
         return n
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("MPI_LOCALNRANKS", "1")))
+    return max(1, cores // int(config.external("MPI_LOCALNRANKS")))

@@ -25,6 +25,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from monarch import config
 from monarch.runtime.telemetry.store import Rows
 
 TOKEN_BYTES = 32
@@ -37,7 +38,7 @@ REQUEST_DEADLINE_S = 10.0  # and once authenticated, this long to send its reque
 
 
 def announce_dir() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    base = config.external("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     path = Path(base) / f"monarch-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     return path

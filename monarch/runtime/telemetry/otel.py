@@ -6,10 +6,10 @@ path needs none of it.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
+from monarch import config
 from monarch.runtime.telemetry.events import Events, recorded
 
 SPANS = {  # table -> (the span's name, its start and end columns, the columns that become attributes)
@@ -75,7 +75,7 @@ def named(events: Events, table: str) -> Iterator[dict[str, Any]]:
 
 def from_environment() -> Exporter | None:
     """An exporter to OTEL_EXPORTER_OTLP_ENDPOINT, when that is set and the packages are installed."""
-    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+    if not config.external("OTEL_EXPORTER_OTLP_ENDPOINT"):
         return None
     try:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
