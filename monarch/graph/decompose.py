@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-aten = torch.ops.aten
-
 
 @functools.cache
 def decomposition(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
@@ -21,7 +19,7 @@ def decomposition(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
     name = op._schema.name.removeprefix("aten::")
     if not name.startswith("_foreach_"):
         return None
-    base = getattr(aten, name.removeprefix("_foreach_"), None)
+    base = getattr(torch.ops.aten, name.removeprefix("_foreach_"), None)
     if base is None:
         return None
     inplace = name.endswith("_")

@@ -17,9 +17,8 @@ import torch
 
 from monarch import config
 from monarch.errors import UnsupportedOpError
-from monarch.graph.rules.table import (R, Emitter, OpCall, Rule, Strategy, all_replicated, rule_for,
-                                       writes_first_arg)
-from monarch.tensor.placement import Partial, Placement, Shard
+from monarch.graph.rules.table import Emitter, OpCall, Rule, Strategy, all_replicated, rule_for, writes_first_arg
+from monarch.tensor.placement import R, Partial, Placement, Shard
 from monarch.tensor.spec import AbstractMesh, Spec
 
 _warned: set[str] = set()

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from monarch.program.instr import Buf, Comm, Local
-from monarch.tensor.placement import Partial, Placement, Placements, Replicate, Shard
+from monarch.tensor.placement import R, Partial, Placement, Placements, Shard
 from monarch.tensor.spec import Spec
 
-R = Replicate()
 COMM_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 COST_FACTOR = {"all_gather": 1.0, "all_reduce": 2.0, "reduce_scatter": 1.0, "all_to_all": 0.5,
                "chunk": 0.0, "partialize": 0.0}

@@ -62,6 +62,7 @@ class Partial(Placement):
 
 
 R = Replicate()
+P = Partial("sum")
 Placements = tuple[Placement, ...]
 
 

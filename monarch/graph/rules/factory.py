@@ -10,15 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from monarch.graph.rules.table import Emit, OpCall, R, Strategy, register_rule
-from monarch.graph.rules.view import resized
-from monarch.program.instr import Buf, Local
-from monarch.tensor.placement import Placement, Shard
-from monarch.tensor.spec import Spec
-
-aten = torch.ops.aten
+from monarch.graph.rules.common import aten, random_piece, resized, uniform_piece
+from monarch.graph.rules.table import Emit, OpCall, Strategy, register_rule
+from monarch.program.instr import Local
+from monarch.tensor.placement import R, Placement, Shard
 
 LIKE = sorted([aten.empty_like.default, aten.full_like.default, aten.ones_like.default, aten.zeros_like.default],
               key=str)
@@ -77,19 +72,6 @@ def _random_emit(ctx: Emit) -> list[Local]:
         low, high = (call.args[1], call.args[2]) if call.op == aten.randint_like.low_dtype else (0, call.args[1])
         kwargs.update(low=low, high=high)
     return [random_piece(ctx, RANDOM_LIKE[call.op], out, kwargs, ctx.out_ids[0])]
-
-
-def random_piece(ctx: Emit, kind: str, spec: Spec, kwargs: dict[str, Any], out: int) -> Local:
-    """Buffer `out` := this rank's piece of the op's global random tensor of `spec`'s shape."""
-    return Local("monarch::random", (kind, spec.shape, spec.bounds(ctx.coords), ctx.seed, kwargs), {}, (out,))
-
-
-def uniform_piece(ctx: Emit, spec: Spec, kind: str = "rand") -> tuple[Local, Buf]:
-    """A temporary holding this rank's piece of a global U[0, 1) (or N(0, 1)) draw, in float32 (float64
-    for float64 tensors)."""
-    u = ctx.tmp()
-    dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
-    return random_piece(ctx, kind, spec, {"dtype": dtype}, u.id), u
 
 
 @register_rule(*FILLS)

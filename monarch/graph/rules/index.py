@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from monarch.graph.rules.table import OpCall, R, Strategy, register_rule
-from monarch.graph.rules.view import kept, partials
-from monarch.tensor.placement import Shard
-
-aten = torch.ops.aten
+from monarch.graph.rules.common import aten, kept, partials
+from monarch.graph.rules.table import OpCall, Strategy, register_rule
+from monarch.tensor.placement import R, Shard
 
 
 @register_rule(aten.cat.default)

@@ -11,11 +11,9 @@ import torch
 
 import monarch.tensor.ops  # noqa: F401 - defines torch.ops.monarch.matmul
 
-from monarch.graph.rules.table import OpCall, R, Strategy, register_rule
-from monarch.tensor.placement import Partial, Placement, Shard
-
-aten = torch.ops.aten
-P = Partial("sum")
+from monarch.graph.rules.common import aten, broadcast_shard
+from monarch.graph.rules.table import OpCall, Strategy, register_rule
+from monarch.tensor.placement import P, R, Placement, Shard
 
 EINSUM = {
     aten.mm.default: "mk,kn->mn",
@@ -44,10 +42,8 @@ def einsum_strategies(eq: str) -> list[tuple[tuple[Placement, ...], Placement]]:
 
 def _term_placement(call: OpCall, out_p: Placement) -> Placement:
     """How the additive input must be placed to match an output placed `out_p` (it broadcasts)."""
-    term, out = call.ins[0], call.outs[0]
     if isinstance(out_p, Shard):
-        k = out_p.dim - (out.ndim - term.ndim)
-        return Shard(k) if k >= 0 and term.shape[k] == out.shape[out_p.dim] else R
+        return broadcast_shard(call.ins[0], call.outs[0], out_p.dim)
     return out_p
 
 

@@ -7,16 +7,12 @@ sharded batch become Partial(sum). A vocab-sharded embedding looks up its own ro
 """
 from __future__ import annotations
 
-import torch
-
-from monarch.graph.rules.table import Emit, OpCall, R, Strategy, op_name, register_rule
-from monarch.graph.rules.factory import uniform_piece
+from monarch.graph.rules.common import aten, uniform_piece
+from monarch.graph.rules.table import Emit, OpCall, Strategy, op_name, register_rule
 from monarch.program.instr import Buf, Local
-from monarch.tensor.placement import Partial, Placement, Shard
+from monarch.tensor.placement import P, R, Placement, Shard
 from monarch.tensor.spec import Spec
 
-aten = torch.ops.aten
-P = Partial("sum")
 NONE, MEAN, SUM = 0, 1, 2  # nll_loss reductions
 
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from monarch.graph.rules.table import OpCall, R, Strategy, register_rule
-from monarch.tensor.placement import Partial, Placement, Shard
-
-aten = torch.ops.aten
-P = Partial("sum")
+from monarch.graph.rules.common import aten, broadcast_shard
+from monarch.graph.rules.table import OpCall, Strategy, register_rule
+from monarch.tensor.placement import P, R, Shard
 
 UNARY = sorted([
     "abs", "acos", "acosh", "angle", "asin", "asinh", "atan", "atanh", "bitwise_not", "ceil", "celu",
@@ -57,19 +55,10 @@ def _ops(names: list[str]) -> list[torch._ops.OpOverload]:
     return out
 
 
-def shard_placement(call: OpCall, i: int, d: int) -> Placement:
-    """How input i must be placed when the output is sharded on dim d (R where it broadcasts)."""
-    out, inp = call.outs[0], call.ins[i]
-    k = d - (out.ndim - inp.ndim)
-    if k >= 0 and inp.shape[k] == out.shape[d]:
-        return Shard(k)
-    return R
-
-
 def pointwise(call: OpCall, mdim: int) -> list[Strategy]:
     out = call.outs[0]
     n_in, n_out = len(call.ins), len(call.outs)
-    strategies = [Strategy(tuple(shard_placement(call, i, d) for i in range(n_in)), (Shard(d),) * n_out)
+    strategies = [Strategy(tuple(broadcast_shard(x, out, d) for x in call.ins), (Shard(d),) * n_out)
                   for d in range(out.ndim) if all(o.shape == out.shape for o in call.outs)]
     base = call.name.split(".")[0].rstrip("_")
     if base in LINEAR_ALL and _scalar_free(call):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from monarch.graph.rules.common import aten
 from monarch.graph.rules.table import Emit, Emitter, OpCall, OpOverload, Strategy, op_name, register_rule
 from monarch.program.instr import Local
-from monarch.tensor.placement import Partial, Shard
+from monarch.tensor.placement import P, Partial, Shard
 
-aten = torch.ops.aten
-P, MAX, MIN, PROD = Partial("sum"), Partial("max"), Partial("min"), Partial("prod")
+MAX, MIN, PROD = Partial("max"), Partial("min"), Partial("prod")
 
 # ops whose pieces' results combine into the whole result, and how
 COMBINE: dict[OpOverload, Partial] = {

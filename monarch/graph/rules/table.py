@@ -15,11 +15,10 @@ from typing import Any
 import torch
 
 from monarch.program.instr import Buf, Local
-from monarch.tensor.placement import Placement, Replicate
+from monarch.tensor.placement import R, Placement
 from monarch.tensor.spec import Spec
 
 OpOverload = torch._ops.OpOverload
-R = Replicate()
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,12 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-import torch
-
-from monarch.graph.rules.table import Emit, Emitter, OpCall, R, Strategy, op_name, register_rule
+from monarch.graph.rules.common import aten, kept, partials, resized
+from monarch.graph.rules.table import Emit, Emitter, OpCall, Strategy, op_name, register_rule
 from monarch.program.instr import Local
 from monarch.tensor.placement import Shard, local_bounds
 from monarch.tensor.spec import Spec
 
-aten = torch.ops.aten
 Range = tuple[int, int]  # (start, length) of a piece along one dim
 Match = Callable[[Range, Range], bool]
 
@@ -30,7 +28,7 @@ DROPPING = sorted([aten.select.int, aten.split.Tensor, aten.split.default, aten.
                    aten.split_with_sizes.default, aten.unbind.int], key=str)
 
 
-# -- shared helpers (also used by rules_index and rules_factory) -------------------------------------
+# -- shards that survive a change of dim size ---------------------------------------------------------
 def aligned(x: Spec, i: int, n_out: int, mdim: int, match: Match) -> bool:
     """Whether mesh dim `mdim` may map a shard of x's dim i onto an output dim of n_out elements.
 
@@ -63,31 +61,11 @@ def _nest_matches(n_in: int, n_out: int, sizes: Sequence[int], nest: list[int], 
     return True
 
 
-def partials(call: OpCall, mdim: int, carriers: Iterable[int] | None = None,
-             emit: Emitter | None = None) -> list[Strategy]:
-    """`P -> P` for ops linear in the `carriers` inputs (default all; the others replicated)."""
-    carry = set(range(len(call.ins)) if carriers is None else carriers)
-    found = sorted({call.ins[i].placements[mdim] for i in carry if call.ins[i].placements[mdim].is_partial()}, key=repr)
-    return [Strategy(tuple(p if i in carry else R for i in range(len(call.ins))), (p,) * len(call.outs), emit)
-            for p in found]
-
-
 def follow(call: OpCall, mdim: int, dims: dict[int, int], emit: Emitter | None = None) -> list[Strategy]:
     """One-input data movement: `S(i) -> S(dims[i])` on every output, plus Partial pass-through."""
     n_out = len(call.outs)
     moved = [Strategy((Shard(i),), (Shard(o),) * n_out, emit) for i, o in sorted(dims.items())]
     return moved + partials(call, mdim, emit=emit)
-
-
-def resized(ctx: Emit, name: str | None = None) -> list[Local]:
-    """The op (or kernel `name`) with its size argument (args[1]) replaced by this rank's output shape."""
-    args = (ctx.args[0], list(ctx.local_out_shape()), *ctx.args[2:])
-    return [Local(name or op_name(ctx.call.op), args, ctx.kwargs, ctx.out_ids)]
-
-
-def kept(ndim: int, skip: int, drops: bool) -> dict[int, int]:
-    """Input dim -> output dim for every dim but `skip`, which disappears from the output if `drops`."""
-    return {k: k - (drops and k > skip) for k in range(ndim) if k != skip}
 
 
 # -- view / _unsafe_view / view.dtype ----------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from monarch.errors import ShardingError
 from monarch.graph.partition import outline, partition
 from monarch.graph.rules.table import Emit
-from monarch.graph.rules.factory import random_piece
+from monarch.graph.rules.common import random_piece
 from monarch.runtime.engine import kernels
 from monarch.runtime.control import codec
 from monarch.runtime.control.client import register_tensor_api

@@ -24,7 +24,7 @@ from monarch import config
 from monarch.errors import TraceError
 from monarch.graph.partition import partition
 from monarch.graph.schedule import overlap
-from monarch.graph.trace import Capture
+from monarch.graph.trace import SCALARS, Capture
 from monarch.runtime.session.session import Session, all_sessions, session_of
 from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.session.local import LocalMesh
@@ -35,8 +35,8 @@ from monarch.tensor.spec import Spec, spec_of
 
 log = logging.getLogger("monarch.compile")
 _pids = itertools.count(1)
-SCALARS = (int, float, bool, str, type(None))
-_LEAVES = (torch.Tensor, *SCALARS)
+CONSTANTS = (*SCALARS, str, type(None))  # what a program is keyed by the value of
+_LEAVES = (torch.Tensor, *CONSTANTS)
 
 
 @dataclass
@@ -262,7 +262,7 @@ def signature(flat: list[Any], state: list[Any]) -> tuple[Any, ...]:
             parts.append(("mesh", a._spec, id(a._backend)))
         elif isinstance(a, torch.Tensor):
             parts.append(("tensor", tuple(a.shape), a.dtype))
-        elif isinstance(a, SCALARS):
+        elif isinstance(a, CONSTANTS):
             parts.append((type(a), a))
         else:
             parts.append(("object", id(a)))
@@ -273,7 +273,7 @@ def signature(flat: list[Any], state: list[Any]) -> tuple[Any, ...]:
 
 def _state_of(obj: Any) -> Any:
     if isinstance(obj, torch.optim.Optimizer):
-        groups = tuple(tuple((k, v) for k, v in g.items() if k != "params" and isinstance(v, (*SCALARS, tuple)))
+        groups = tuple(tuple((k, v) for k, v in g.items() if k != "params" and isinstance(v, (*CONSTANTS, tuple)))
                        for g in obj.param_groups)
         state = obj.state
         params = tuple((p.grad is None, len(state[p]) if p in state else 0)
