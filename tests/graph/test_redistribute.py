@@ -108,7 +108,7 @@ def test_redistribute_roundtrip_on_reference(case) -> None:
     assert session.collectives[before:] == [n for n, s in zip(named(expected), expected.steps, strict=True)
                                             if s.is_comm]
     assert [k.split("[")[0] for k in session.collectives[before:]] == expected.comms()
-    for coords, engine in zip(mesh_coords(dims), session.engines, strict=True):
+    for coords, engine in zip(mesh_coords(dims), session.runner.engines, strict=True):
         assert tuple(engine.store[y._handle.id].shape) == y.spec.local_shape(coords)
     assert torch.equal(y.full_tensor(timeout=10), t)
 

@@ -9,22 +9,25 @@ retraces (logged at debug level with the reason).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
+from torch.optim import adam as torch_adam
 
 from monarch import config
 from monarch.errors import TraceError
 from monarch.graph.partition import partition
 from monarch.graph.schedule import overlap
-from monarch.graph.trace import SCALARS, Capture
+from monarch.graph.trace import SCALARS, Capture, Tracer
+from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.session.session import Session, all_sessions, session_of
 from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.session.local import LocalMesh
@@ -39,39 +42,79 @@ CONSTANTS = (*SCALARS, str, type(None))  # what a program is keyed by the value 
 _LEAVES = (torch.Tensor, *CONSTANTS)
 
 
+class FromArgument(NamedTuple):
+    """A program input that each call fills with its MeshTensor argument `slot` (of the flattened arguments)."""
+    id: int  # placeholder id
+    slot: int
+    spec: Spec
+
+    def tensor(self, flat: list[Any]) -> MeshTensor | None:
+        return flat[self.slot]
+
+
+class FromState(NamedTuple):
+    """A program input read from a MeshTensor the step reaches without being passed it (a parameter,
+    optimizer state), held weakly: once it is gone the program no longer fits."""
+    id: int  # placeholder id
+    ref: weakref.ref[MeshTensor]
+    spec: Spec
+
+    def tensor(self, flat: list[Any]) -> MeshTensor | None:
+        return self.ref()
+
+
+Input = FromArgument | FromState
+
+
+class Kept(NamedTuple):
+    """A result the step leaves in a MeshTensor it does not return (updated parameters, optimizer state)."""
+    id: int  # produced id
+    ref: weakref.ref[MeshTensor]
+
+
+@dataclass(frozen=True)
+class Settled:
+    """How calls bind after one that moved no handle: valid while nothing else was recorded (the
+    tracer is still at `epoch`) and none of the buffers `reads` was released."""
+    epoch: int
+    reads: frozenset[int]                # buffer ids of the inputs that are not arguments
+    held: tuple[tuple[int, int], ...]    # their (placeholder id, buffer id) pairs
+    outputs: tuple[tuple[int, int], ...]  # (produced id, buffer id) of every kept result
+
+    def valid(self, tracer: Tracer) -> bool:
+        return self.epoch == tracer.epoch and self.reads.isdisjoint(tracer.released)
+
+
 @dataclass
 class Program:
     """One installed program and how a call binds to it."""
     pid: int
     session: Session
-    inputs: tuple[tuple[int, int | weakref.ref, Spec], ...]  # placeholder id, argument slot or the
-    #                                                          MeshTensor it was read from, its spec
-    outputs: tuple[tuple[int, weakref.ref], ...]       # produced id, the MeshTensor that keeps it
-    returns: tuple[tuple[int, Spec], ...]              # produced ids of the returned tensors
+    inputs: tuple[Input, ...]
+    outputs: tuple[Kept, ...]
+    returns: tuple[tuple[int, Spec], ...]              # produced ids of the returned tensors, their specs
     feeds: tuple[tuple[int, int], ...]                 # feed id, argument slot (replicated)
     salt: int | None                                   # feed id of the random ops' per-call salt
     spec: pytree.TreeSpec                              # structure of the return value
-    # after a call that moved no handle: (tracer epoch, buffer ids read, the (program id, buffer id)
-    # pairs of inputs that are not arguments, output pairs); valid while nothing else was recorded
-    settled: tuple[int, frozenset[int], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None = None
+    settled: Settled | None = None
 
     def stale(self, flat: list[Any]) -> str | tuple[tuple[int, int], ...]:
         """Why the program no longer fits its inputs, or (when it fits) the buffers this call reads."""
-        tracer, settled = self.session.tracer, self.settled
-        if settled is not None and settled[0] == tracer.epoch and settled[1].isdisjoint(tracer.released):
-            return settled[2] + self._check(flat, [i for i in self.inputs if isinstance(i[1], int)])
+        settled = self.settled
+        if settled is not None and settled.valid(self.session.tracer):
+            return settled.held + self._check(flat, [i for i in self.inputs if isinstance(i, FromArgument)])
         self.settled = None
         return self._check(flat, self.inputs)
 
-    def _check(self, flat: list[Any], which: Any) -> Any:
+    def _check(self, flat: list[Any], which: Iterable[Input]) -> Any:
         inputs = []
-        for pid_, source, spec in which:
-            t = flat[source] if isinstance(source, int) else source()
+        for i in which:
+            t = i.tensor(flat)
             if t is None:
-                return f"input buffer %{pid_} is gone"
-            if t._spec is not spec and t._spec != spec:
-                return f"input {spec} is now {t._spec}"
-            inputs.append((pid_, t._handle.id))
+                return f"input buffer %{i.id} is gone"
+            if t._spec is not i.spec and t._spec != i.spec:
+                return f"input {i.spec} is now {t._spec}"
+            inputs.append((i.id, t._handle.id))
         return tuple(inputs)
 
     def run(self, flat: list[Any], inputs: tuple[tuple[int, int], ...]) -> Any:
@@ -79,18 +122,17 @@ class Program:
         if s.tracer.n_ops:
             s.flush()  # work recorded between calls runs first
         settled = self.settled
-        outputs, moved = self._outputs(s) if settled is None else (settled[3], [])
+        outputs, moved = self._outputs(s) if settled is None else (settled.outputs, [])
         returns = [(p, next(s.tracer.ids)) for p, _ in self.returns]
-        s.invoke(self.pid, None, inputs, outputs + tuple(returns), feeds(self.feeds, flat, self.salt),
-                 s.tracer.take_released())
+        s.invoke(InvokeProgram(self.pid, inputs, outputs + tuple(returns), feeds(self.feeds, flat, self.salt),
+                               s.tracer.take_released()))
         for t, id in moved:
             t._handle = s.tracer.external(id)
         if settled is not None:
-            self.settled = (s.tracer.epoch, *settled[1:])
-        elif not moved and all(ref() is not None for _, ref in self.outputs):
-            kept = tuple(pair for pair, (_, src, _) in zip(inputs, self.inputs, strict=True)
-                         if not isinstance(src, int))
-            self.settled = (s.tracer.epoch, frozenset(a for _, a in kept), kept, outputs)
+            self.settled = replace(settled, epoch=s.tracer.epoch)
+        elif not moved and all(k.ref() is not None for k in self.outputs):
+            held = tuple(pair for pair, i in zip(inputs, self.inputs, strict=True) if isinstance(i, FromState))
+            self.settled = Settled(s.tracer.epoch, frozenset(b for _, b in held), held, outputs)
         outs = [MeshTensor(spec, s, s.tracer.external(id)) for (_, spec), (_, id) in zip(self.returns, returns,
                                                                                          strict=True)]
         return pytree.tree_unflatten(outs, self.spec)
@@ -100,13 +142,13 @@ class Program:
         holds that buffer (parameters and optimizer state are updated in place, no handle changes);
         else into a new buffer the MeshTensor is moved to."""
         outputs, moved = [], []
-        for p, ref in self.outputs:
-            t = ref()
+        for k in self.outputs:
+            t = k.ref()
             if t is not None and s.tracer.live.get(t._handle.id) == 1:
-                outputs.append((p, t._handle.id))
+                outputs.append((k.id, t._handle.id))
                 continue
             new = next(s.tracer.ids)
-            outputs.append((p, new))
+            outputs.append((k.id, new))
             if t is None:
                 s.tracer.released.append(new)  # nobody keeps it: freed with the next call
             else:
@@ -169,7 +211,8 @@ class CompiledStep:
         for s in sessions:
             s.capturing, s.tracer.capture = True, captures[s]
         try:
-            result = self.fn(*args, **kwargs)
+            with capturable_on_cpu():
+                result = self.fn(*args, **kwargs)
         finally:
             for s in sessions:
                 s.capturing, s.tracer.capture = False, None
@@ -222,7 +265,7 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Pro
     nodes = list(traced.graph.nodes)
     produced = {i for n in nodes if n.op != "placeholder" for i in n.meta["ids"]}
     slots = {t._handle.id: i for i, t in enumerate(flat) if isinstance(t, MeshTensor)}
-    inputs = tuple((i, slots.get(i, cap.sources[i]), _spec_now(cap.sources.get(i), n.meta["specs"][0]))
+    inputs = tuple(_input(i, slots, cap.sources[i], n.meta["specs"][0])
                    for n in nodes if n.op == "placeholder" for i in n.meta["ids"])
     mine = {id(t) for t in returned}
     outputs, seen = [], set()
@@ -230,7 +273,7 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Pro
         t = ref()
         if t is not None and id(t) not in mine and t._handle.id in produced and t._handle.id not in seen:
             seen.add(t._handle.id)
-            outputs.append((t._handle.id, weakref.ref(t)))
+            outputs.append(Kept(t._handle.id, weakref.ref(t)))
     for t in returned:
         if t._handle.id not in produced:
             raise TraceError("a monarch.compile'd step returned one of its inputs unchanged; return only "
@@ -239,19 +282,21 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Pro
     salt = cap.salt.meta["ids"][0] if cap.salt is not None else None
     program = Program(next(_pids), s, inputs, tuple(outputs), tuple((t._handle.id, t._spec) for t in returned),
                       fed, salt, spec)
-    same = tuple((i, i) for i, _, _ in inputs)
-    kept = tuple((i, i) for i, _ in outputs) + tuple((i, i) for i, _ in program.returns)
-    s.invoke(program.pid, programs, same, kept, feeds(fed, flat, salt), ())
+    same = tuple((i.id, i.id) for i in inputs)
+    kept = tuple((k.id, k.id) for k in outputs) + tuple((i, i) for i, _ in program.returns)
+    s.invoke(InvokeProgram(program.pid, same, kept, feeds(fed, flat, salt)), programs)
     # buffers released while tracing live outside the program's own namespace: free them after it ran
     s.tracer.released.extend(i for i in traced.released if i not in produced)
     return program, result
 
 
-def _spec_now(ref: weakref.ref | None, spec: Spec) -> Spec:
-    """The spec object the input's MeshTensor holds now when it is the same spec (so that checking it
-    on later calls is an identity test)."""
-    t = ref() if ref is not None else None
-    return t._spec if t is not None and t._spec == spec else spec
+def _input(id: int, slots: dict[int, int], source: weakref.ref[MeshTensor], spec: Spec) -> Input:
+    """Placeholder `id`: filled by an argument when one holds it, else by the MeshTensor it was read
+    from. Its spec is the object that MeshTensor holds now when equal (later checks are identity tests)."""
+    t = source()
+    if t is not None and t._spec == spec:
+        spec = t._spec
+    return FromArgument(id, slots[id], spec) if id in slots else FromState(id, source, spec)
 
 
 def signature(flat: list[Any], state: list[Any]) -> tuple[Any, ...]:
@@ -317,7 +362,6 @@ def make_capturable(opt: torch.optim.Adam) -> None:
     from monarch.runtime.session.api import distribute_tensor
     if getattr(opt, "_monarch_steps", -1) == len(opt.state):
         return  # every state present was converted already
-    _allow_cpu_capturable()
     for group in opt.param_groups:
         params = [p for p in group["params"] if isinstance(p, MeshTensor)]
         if not params:
@@ -330,15 +374,21 @@ def make_capturable(opt: torch.optim.Adam) -> None:
     opt._monarch_steps = len(opt.state)  # type: ignore[attr-defined]
 
 
-@functools.cache
-def _allow_cpu_capturable() -> None:
-    """MeshTensors report device cpu; let capturable Adam accept it (its steps are MeshTensors)."""
-    import torch.optim.adam as adam
-    base = adam._get_capturable_supported_devices
+@contextlib.contextmanager
+def capturable_on_cpu() -> Iterator[None]:
+    """The hook under which a step is recorded: capturable Adam (and AdamW) checks that parameters and
+    step counts are on a device `torch.optim.adam._get_capturable_supported_devices()` names, and
+    MeshTensors report cpu (their step counts are MeshTensors that make_capturable made). While the
+    step runs, that function also names cpu; torch's own is put back after, also when the step raises."""
+    own = torch_adam._get_capturable_supported_devices
 
     def supported(*a: Any, **kw: Any) -> list[str]:
-        return [*base(*a, **kw), "cpu"]
-    adam._get_capturable_supported_devices = supported  # type: ignore[assignment]
+        return [*own(*a, **kw), "cpu"]
+    torch_adam._get_capturable_supported_devices = supported  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch_adam._get_capturable_supported_devices = own
 
 
 def compile(fn: Callable[..., Any]) -> CompiledStep:  # noqa: A001 - the public name is monarch.compile

@@ -1,22 +1,22 @@
 """The single-process reference: a mesh simulated in this process, a test oracle for the real one.
 
 `LocalMesh({"dp": 2, "tp": 2})` can be passed wherever a ProcMesh is (`mesh=`, `distribute_tensor`).
-Its session partitions exactly like the real one, then steps every rank's program in lockstep with
-one Engine per rank and the collectives of `collectives.py`. It never replaces the multi-process
-path; tests compare the two, and both against plain torch.
+Its session partitions exactly like the real one; its runner then steps every rank's program in
+lockstep with one Engine per rank and the collectives of `collectives.py`. It never replaces the
+multi-process path; tests compare the two, and both against plain torch.
 """
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 from monarch.errors import MeshError
 from monarch.program.program import RankProgram
-from monarch.graph.trace import TracedGraph
 from monarch.runtime.control import codec
 from monarch.program.collectives import RUN
 from monarch.runtime.engine.engine import Engine
-from monarch.runtime.control.futures import CallState, Future
-from monarch.runtime.session.session import Fetch, Session, _synced
+from monarch.runtime.control.commands import InvokeProgram
+from monarch.runtime.control.futures import CallState
+from monarch.runtime.session.session import Fetch, Session
 from monarch.shape import MeshView, Shape
 from monarch.program.instr import Comm, Free, Start
 
@@ -42,7 +42,7 @@ class LocalMesh(MeshView):
 
     def __init__(self, dims: dict[str, int]) -> None:
         self._shape = Shape.row_major(tuple(dims), tuple(int(n) for n in dims.values()))
-        self._session = ReferenceSession(self)
+        self._session = Session(self, LockstepRunner(self._shape))
 
     def _with_shape(self, shape: Shape) -> LocalMesh:
         raise MeshError("a LocalMesh cannot be sliced; build a LocalMesh with the dims you need")
@@ -51,19 +51,28 @@ class LocalMesh(MeshView):
         return f"<LocalMesh {self.extent}>"
 
 
-class ReferenceSession(Session):
-    """A Session whose programs run here, on one Engine per mesh point."""
+class LockstepRunner:
+    """Runs a session's programs here, on one Engine per mesh point, every rank's instruction i before
+    any rank's instruction i+1. Its calls are answered before `run` returns: it is its own waiter."""
+    live = True
+    threaded = False
 
-    def __init__(self, mesh: LocalMesh) -> None:
-        super().__init__(mesh)
-        self.engines = [Engine(r) for r in range(len(mesh._shape))]
+    def __init__(self, view: Shape) -> None:
+        self.view = view
+        self.sizes = view.sizes
+        self.labels = [view.point(i).label() for i in range(len(view))]
+        self.engines = [Engine(r) for r in range(len(view))]
         self._installed: dict[int, tuple[RankProgram, ...]] = {}
 
-    def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: Fetch | None = None,
-             sync: bool = False) -> Future[Any] | None:
-        self._count(programs)
-        run_lockstep(self.engines, programs, self.abstract.sizes, self._labels())
-        self.flushes += 1
+    @property
+    def waiter(self) -> LockstepRunner:
+        return self
+
+    def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
+        assert state.done, f"{state.what}: {arrived} of {len(state.raw)} ranks answered"
+
+    def run(self, programs: tuple[RankProgram, ...], fetch: Fetch | None, sync: bool) -> CallState | None:
+        run_lockstep(self.engines, programs, self.sizes, self.labels)
         if not sync:
             return None
         state = CallState(self.view, "reference program")
@@ -73,27 +82,20 @@ class ReferenceSession(Session):
                 state.deliver(r, True, codec.dumps_data(eng.fetch(sources.get(r, 0))))
             except Exception as e:  # noqa: BLE001
                 state.deliver(r, False, e)
-        return Future(state, None, fetch.assemble if fetch else _synced)  # type: ignore[arg-type]
+        return state
 
-    def invoke(self, pid: int, install: tuple[RankProgram, ...] | None, inputs: tuple[tuple[int, int], ...],
-               outputs: tuple[tuple[int, int], ...], feeds: tuple[tuple[int, Any], ...],
-               frees: tuple[int, ...]) -> None:
+    def invoke(self, call: InvokeProgram, install: tuple[RankProgram, ...] | None) -> None:
         if install is not None:
-            self._installed[pid] = install
-        programs = self._installed[pid]
-        self._count(programs)
+            self._installed[call.pid] = install
         outers = []
         for eng in self.engines:
-            eng.free(Free(frees))
-            outers.append(eng.bind(inputs, feeds))
+            eng.free(Free(call.frees))
+            outers.append(eng.bind(call.inputs, call.feeds))
         try:
-            run_lockstep(self.engines, programs, self.abstract.sizes, self._labels())
+            run_lockstep(self.engines, self._installed[call.pid], self.sizes, self.labels)
         finally:
             for eng, outer in zip(self.engines, outers, strict=True):
-                eng.unbind(outputs, outer)
-
-    def _labels(self) -> list[str]:
-        return [self.view.point(i).label() for i in range(len(self.view))]
+                eng.unbind(call.outputs, outer)
 
 
 def run_lockstep(engines: list[Engine], programs: tuple[RankProgram, ...], sizes: tuple[int, ...],

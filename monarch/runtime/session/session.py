@@ -1,16 +1,17 @@
-"""The controller-side backend of MeshTensors on one proc mesh view: record, flush, fetch.
+"""The controller-side backend of MeshTensors on one mesh view: record, flush, fetch.
 
-A Session owns the view's tracer. Flushing closes the pending graph, partitions it, lowers it and
-sends every worker its program in one frame; a synchronising flush also collects one reply per
-rank (a piece of the fetched tensor from the ranks holding distinct pieces, errors from any), and
-errors are raised in rank order.
+A Session owns the view's tracer and a runner, chosen at construction. Flushing closes the pending
+graph, partitions it and hands the rank programs to the runner: `RemoteRunner` lowers them and sends
+every worker its program in one frame (a synchronising flush also collects one reply per rank: a
+piece of the fetched tensor from the ranks holding distinct pieces, errors from any), a LocalMesh's
+runner steps them in this process. Errors are raised in rank order.
 """
 from __future__ import annotations
 
 import functools
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,7 +25,7 @@ from monarch.errors import TraceError, TransportError
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.control.controller import controller
-from monarch.runtime.control.futures import CallState, Future
+from monarch.runtime.control.futures import CallState, Future, Waiter
 from monarch.runtime.session.lower import lower, lower_install
 from monarch.program.instr import Comm, Local, Start
 from monarch.tensor.meshtensor import MeshTensor
@@ -32,11 +33,29 @@ from monarch.tensor.placement import Placement, Replicate, Shard
 from monarch.tensor.spec import AbstractMesh, Spec
 
 
-class Session:
-    """Backend of the MeshTensors of one proc mesh view."""
+class Runner(Protocol):
+    """Where a session's rank programs run: on the workers of a proc mesh (RemoteRunner), or stepped in
+    lockstep in this process (local.LockstepRunner). A Future of a synchronising run waits on `waiter`."""
 
-    def __init__(self, procs: Any) -> None:
+    @property
+    def live(self) -> bool: ...
+
+    @property
+    def waiter(self) -> Waiter: ...
+
+    def run(self, programs: tuple[RankProgram, ...], fetch: Fetch | None, sync: bool) -> CallState | None:
+        """Run one program per rank; with `sync`, the state that collects one reply per rank."""
+
+    def invoke(self, call: InvokeProgram, install: tuple[RankProgram, ...] | None) -> None:
+        """Run compiled program `call.pid`, installing `install` as that program first when given."""
+
+
+class Session:
+    """Backend of the MeshTensors of one mesh view; `runner` runs what it records."""
+
+    def __init__(self, procs: Any, runner: Runner) -> None:
         self.mesh = procs
+        self.runner = runner
         self.view = procs._shape
         self.abstract = AbstractMesh(tuple(self.view.labels), tuple(self.view.sizes))
         self.tracer = Tracer(self.abstract, self)
@@ -50,8 +69,7 @@ class Session:
     @property
     def live(self) -> bool:
         """Whether the mesh still runs (a LocalMesh always does)."""
-        mesh = getattr(self.mesh, "_mesh", None)
-        return mesh is None or mesh.live
+        return self.runner.live
 
     # -- Backend ---------------------------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -110,26 +128,66 @@ class Session:
 
     def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: Fetch | None = None,
              sync: bool = False) -> Future[Any] | None:
-        self._count(programs)
+        self.collectives.extend(self._comm_names(programs))
+        self.flushes += 1
+        state = self.runner.run(programs, fetch, sync)
+        if state is None:
+            return None
+        return Future(state, self.runner.waiter, fetch.assemble if fetch else _synced)
+
+    def invoke(self, call: InvokeProgram, install: tuple[RankProgram, ...] | None = None) -> None:
+        """Run compiled program `call.pid`, installing `install` as that program first when given."""
+        comms = self._comm_names(install) if install is not None else self._programs[call.pid]
+        self._programs[call.pid] = comms
+        self.collectives.extend(comms)
+        self.runner.invoke(call, install)
+
+    def _comm_names(self, programs: tuple[RankProgram, ...]) -> list[str]:
+        """`kind[dim]` of each collective the programs run, in order."""
+        names = self.abstract.names
+        return [f"{i.kind}[{names[i.mdim]}]" if isinstance(i, Comm) else f"all_reduce[{names[i.mdim]}]"
+                for i in programs[0].instrs if isinstance(i, (Comm, Start))]
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        future = self.flush(sync=True)
+        assert future is not None
+        future.get(timeout)
+
+
+class RemoteRunner:
+    """Runs a session's programs on the workers of a proc mesh view: lowered, one frame per worker."""
+
+    def __init__(self, procs: Any) -> None:
+        self.procs = procs
+        self.view = procs._shape
+
+    @property
+    def live(self) -> bool:
+        return bool(self.procs._mesh.live)
+
+    @property
+    def waiter(self) -> Waiter:
+        return controller()
+
+    def run(self, programs: tuple[RankProgram, ...], fetch: Fetch | None, sync: bool) -> CallState | None:
         ctl = controller()
         call_id = ctl.next_call_id() if sync else 0
         refused: list[TransportError] = []
         pieces = self._frames(programs, call_id, fetch, refused)
-        state = CallState(self.view, f"tensor program on {self.mesh!r}") if sync else None
+        state = CallState(self.view, f"tensor program on {self.procs!r}") if sync else None
         for frames in pieces[:-1]:
-            ctl.send_each(self.mesh._mesh.id, frames, 0, None)
-        ctl.send_each(self.mesh._mesh.id, pieces[-1], call_id, state)
-        self.flushes += 1
+            ctl.send_each(self.procs._mesh.id, frames, 0, None)
+        ctl.send_each(self.procs._mesh.id, pieces[-1], call_id, state)
         if refused:
             raise refused[0]
-        return Future(state, ctl, fetch.assemble if fetch else _synced) if state is not None else None
+        return state
 
     def _frames(self, programs: tuple[RankProgram, ...], call_id: int, fetch: Fetch | None,
                 refused: list[TransportError]) -> list[dict[int, bytes]]:
         """Each rank's frame, or, when one is over MONARCH_MAX_FRAME, the programs cut into consecutive
         pieces that fit (the last one replies). An instruction too large alone (a constant's data) is not
         sent: it poisons its outputs with the error, which `refused` gets too."""
-        limit = self.mesh._mesh.max_frame
+        limit = self.procs._mesh.max_frame
         msgs = lower(programs, self.view, call_id, fetch.sources() if fetch else None)
         frames = {r: codec.encode_frame([m]) for r, m in msgs.items()}
         big = max(frames.values(), key=len)
@@ -145,38 +203,16 @@ class Session:
         refusal = Local("aten::_assert_scalar", (False, str(refused[-1])), {}, ins.outs)
         return self._frames(tuple(replace(p, instrs=(refusal,)) for p in programs), call_id, fetch, refused)
 
-    def invoke(self, pid: int, install: tuple[RankProgram, ...] | None, inputs: tuple[tuple[int, int], ...],
-               outputs: tuple[tuple[int, int], ...], feeds: tuple[tuple[int, Any], ...],
-               frees: tuple[int, ...]) -> None:
-        """Run compiled program `pid` (installing it first when `install` is given): one frame per worker,
-        the same bytes for every worker once the program is installed."""
-        comms = self._comm_names(install) if install is not None else self._programs[pid]
-        call = InvokeProgram(pid, inputs, outputs, feeds, frees)
+    def invoke(self, call: InvokeProgram, install: tuple[RankProgram, ...] | None) -> None:
+        """One frame per worker: the same bytes for every worker once the program is installed."""
         ranks = self.view.ranks()
         if install is None:
-            frame = codec.encode_frame([call])
-            frames = dict.fromkeys(ranks, frame)
+            frames = dict.fromkeys(ranks, codec.encode_frame([call]))
         else:
-            installs = lower_install(pid, install, self.view)
+            installs = lower_install(call.pid, install, self.view)
             frames = {r: codec.encode_frame([installs[r], call]) for r in ranks}
-        controller().send_each(self.mesh._mesh.id, frames, 0, None,
+        controller().send_each(self.procs._mesh.id, frames, 0, None,
                                "a call of a monarch.compile'd step (its program or plain tensor arguments)")
-        self._programs[pid] = comms
-        self.collectives.extend(comms)
-
-    def _count(self, programs: tuple[RankProgram, ...]) -> None:
-        self.collectives.extend(self._comm_names(programs))
-
-    def _comm_names(self, programs: tuple[RankProgram, ...]) -> list[str]:
-        """`kind[dim]` of each collective the programs run, in order."""
-        names = self.abstract.names
-        return [f"{i.kind}[{names[i.mdim]}]" if isinstance(i, Comm) else f"all_reduce[{names[i.mdim]}]"
-                for i in programs[0].instrs if isinstance(i, (Comm, Start))]
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        future = self.flush(sync=True)
-        assert future is not None
-        future.get(timeout)
 
 
 def _generator(func: Any, args: tuple, kwargs: dict) -> torch.Generator | None:
@@ -265,5 +301,5 @@ def session_of(procs: Any) -> Session:
     key = (procs._mesh.id, procs._shape)
     s = _sessions.get(key)
     if s is None:
-        s = _sessions[key] = Session(procs)
+        s = _sessions[key] = Session(procs, RemoteRunner(procs))
     return s
