@@ -18,14 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import monarch
-from monarch import (ColwiseParallel, MeshError, MeshTensor, Replicate, RowwiseParallel, SequenceParallel, Shard,
+from monarch import (ColwiseParallel, MeshError, MeshTensor, RowwiseParallel, SequenceParallel, Shard,
                      ShardingError)
 from monarch.actor import ProcMesh
 from monarch.runtime.session.local import LocalMesh
 from monarch.runtime.session.session import session_of
+from monarch.tensor.placement import R
 
 T = 60.0  # seconds any single wait may take
-R = Replicate()
 STEPS = 3
 
 

@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import monarch
-from monarch import MeshTensor, Partial, Replicate, Shard
+from monarch import MeshTensor, Partial, Shard
 from monarch.actor import ProcMesh
+from monarch.tensor.placement import R
 from strategies import placement_tuples
 
 T = 30.0  # seconds any single wait may take
-R = Replicate()
 
 DROPOUTS: dict[str, Callable[[Any, float], Any]] = {
     "F.dropout": lambda x, p: F.dropout(x, p),

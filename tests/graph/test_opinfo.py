@@ -27,7 +27,7 @@ from monarch.errors import MonarchError, SupervisionError
 from monarch.graph.rules.table import RULES
 from monarch.runtime.control.futures import Future
 from monarch.tensor.meshtensor import MeshTensor
-from monarch.tensor.placement import Placement, Replicate, Shard
+from monarch.tensor.placement import R, Placement, Shard
 
 pytestmark = pytest.mark.timeout(300)  # one module fixture runs every OpInfo (about 30 s)
 PASSING = Path(__file__).with_name("opinfo_passing.txt")
@@ -36,7 +36,6 @@ TIMEOUT = 20.0           # seconds for any one fetch
 MIN_CLAIMED = 250        # sanity floor on the number of claimed OpInfos (289 when written)
 DTYPES = (torch.float32, torch.int64, torch.bool)  # the first one an op supports on CPU is sampled
 IGNORED = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default}
-R = Replicate()
 
 
 @dataclass
