@@ -1,6 +1,6 @@
 """Rules for neural-network ops: softmax and log_softmax, layer norm, embedding, nll_loss and nll_loss2d
 (and their backward ops), native_dropout; cross_entropy reaches dispatch as _log_softmax +
-nll_loss(2d)_forward, F.dropout on CPU tensors as a bernoulli_ mask (rules_factory) times the input.
+nll_loss(2d)_forward, F.dropout on CPU tensors as a bernoulli_ mask (rules/factory.py) times the input.
 
 Rows stay sharded along dims the op does not mix (batch dims); parameter gradients summed over a
 sharded batch become Partial(sum). A vocab-sharded embedding looks up its own rows and masks the rest.
