@@ -37,7 +37,7 @@ def on_dim(t: Any, dim: str, placement: Placement | None) -> Any:
     Anything that is not a MeshTensor, and any tensor when `placement` is None, comes back as it is."""
     if placement is None or not isinstance(t, MeshTensor) or (isinstance(placement, Shard) and t.ndim == 0):
         return t
-    names = t.spec.mesh.names
+    names = t.spec.mesh.labels
     target = list(t.placements)
     target[names.index(dim)] = placement
     target_t = normalize(target, names, t.ndim, f"redistribute over {dim!r}")
@@ -143,7 +143,7 @@ def parallelize_module(module: nn.Module, mesh: Any, plan: Mapping[str, Parallel
     RowwiseParallel, SequenceParallel). Each style places the parameters of the modules it matches over
     its mesh dim and keeps the other dims as they are; every other parameter and buffer becomes a
     replicated MeshTensor (or stays the MeshTensor it already is). Build optimizers afterwards."""
-    names = session_of(mesh).abstract.names
+    names = session_of(mesh).abstract.labels
     memo: Memo = {}
     for name, sub, style in _matches(module, plan):
         style.check(name, sub, names)
@@ -160,7 +160,7 @@ def data_parallel(module: nn.Module, mesh: Any, dim: str = "dp") -> nn.Module:
     A forward pre-hook turns plain tensor inputs into MeshTensors sharded on their first (batch) dim
     over `dim` and redistributes MeshTensor inputs to Shard(0) there. Gradients need no averaging:
     a mean loss over the sharded batch is the global mean, as in single-process torch."""
-    check_dim(dim, session_of(mesh).abstract.names, f"data_parallel({type(module).__name__})")
+    check_dim(dim, session_of(mesh).abstract.labels, f"data_parallel({type(module).__name__})")
     _adopt(module, mesh, {dim: Replicate()}, {})
     module.register_forward_pre_hook(partial(_shard_batch, mesh, dim), with_kwargs=True)
     return module
@@ -244,7 +244,7 @@ def _to_mesh(t: torch.Tensor, mesh: Any, dims: dict[str, Placement], qualname: s
     with torch.no_grad():
         if isinstance(t, MeshTensor):
             _check_mesh(t, mesh, qualname)
-            names = t.spec.mesh.names
+            names = t.spec.mesh.labels
             target = list(t.placements)
             for dim, p in dims.items():
                 target[names.index(dim)] = p
@@ -263,7 +263,7 @@ def _check_mesh(t: MeshTensor, mesh: Any, qualname: str) -> None:
 def _check_same(t: torch.Tensor, dims: dict[str, Placement], qualname: str) -> None:
     """A tensor shared by several modules gets one placement: the second style must agree with the first."""
     assert isinstance(t, MeshTensor)
-    names = t.spec.mesh.names
+    names = t.spec.mesh.labels
     for dim, p in dims.items():
         have = t.placements[names.index(dim)]
         if have != p:

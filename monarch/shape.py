@@ -1,11 +1,13 @@
 """Named-dim mesh shapes: the rank <-> coordinates arithmetic behind every mesh.
 
-A `Shape` is a strided view (offset, sizes, strides) over a linear rank space with a label per dim, as
+An `Extent` (dim names and sizes) is the abstract mesh that tracing, propagation and partitioning see. A
+`Shape` is a strided view (offset, sizes, strides) over a linear rank space with a label per dim, as
 Monarch's ndslice. Slicing, flattening, renaming and splitting are pure arithmetic on it; `MeshView`
 gives ProcMesh, ActorMesh and ValueMesh the same named-dim methods. No I/O, no dependencies.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -16,12 +18,18 @@ from monarch.errors import MeshError
 
 @dataclass(frozen=True, eq=False)
 class Extent(Mapping[str, int]):
-    """Dim names and sizes, in order. A read-only mapping label -> size (equal to the same dict)."""
+    """Dim names and sizes, in order: the abstract mesh. A read-only mapping label -> size, equal to the
+    same dict; two extents are equal only with their dims in the same order."""
     labels: tuple[str, ...]
     sizes: tuple[int, ...]
 
     def __hash__(self) -> int:
         return hash((self.labels, self.sizes))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Extent):
+            return self.labels == other.labels and self.sizes == other.sizes
+        return Mapping.__eq__(self, other)
 
     def __getitem__(self, label: str) -> int:
         try:
@@ -39,8 +47,23 @@ class Extent(Mapping[str, int]):
     def nelements(self) -> int:
         return math.prod(self.sizes)
 
+    def dim(self, label: str) -> int:
+        """Index of a dim by name, or a MeshError naming the dims that exist."""
+        try:
+            return self.labels.index(label)
+        except ValueError:
+            raise MeshError(f"mesh has no dim {label!r}; its dims are {self.labels}") from None
+
+    def coords(self) -> Iterator[tuple[int, ...]]:
+        """Every point's coordinates, in row-major order."""
+        return itertools.product(*(range(n) for n in self.sizes))
+
     def __repr__(self) -> str:
         return "{" + ", ".join(f"'{k}': {v}" for k, v in zip(self.labels, self.sizes, strict=True)) + "}"
+
+    def label(self) -> str:
+        """`dp=2, tp=2`: how a MeshTensor and `explain` name their mesh."""
+        return ", ".join(f"{k}={v}" for k, v in zip(self.labels, self.sizes, strict=True))
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,6 +102,12 @@ class Point(Mapping[str, int]):
         return ",".join(f"{k}={v}" for k, v in zip(self.extent.labels, self.coords, strict=True))
 
 
+def group_coords(coords: tuple[int, ...], dim: int, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The points a collective over mesh dim `dim` runs among, seen from `coords`, in group order: `coords`
+    with entry `dim` taking every value. `Shape.rank_at` turns them into the group's world ranks."""
+    return [coords[:dim] + (k,) + coords[dim + 1:] for k in range(sizes[dim])]
+
+
 @dataclass(frozen=True)
 class Shape:
     """A labelled strided view of ranks: rank(coords) = offset + sum(coords[i] * strides[i])."""
@@ -110,11 +139,7 @@ class Shape:
         return math.prod(self.sizes)
 
     def dim(self, label: str) -> int:
-        """Index of a dim by name, or a MeshError naming the dims that exist."""
-        try:
-            return self.labels.index(label)
-        except ValueError:
-            raise MeshError(f"mesh has no dim {label!r}; its dims are {self.labels}") from None
+        return self.extent.dim(label)
 
     def point(self, index: int) -> Point:
         """The point at row-major position `index` of this view."""

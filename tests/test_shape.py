@@ -1,4 +1,4 @@
-"""Property tests of the named-dim mesh arithmetic (`Shape`, `Point`, `ValueMesh`).
+"""Property tests of the named-dim mesh arithmetic (`Extent`, `Shape`, `Point`, `ValueMesh`).
 
 Every view is checked against `Model`, a brute-force nested list of the original mesh's row-major ranks
 that is sliced, split and flattened with plain Python list indexing.
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from monarch.errors import MeshError
 from monarch.runtime.control.futures import ValueMesh
-from monarch.shape import Shape
+from monarch.shape import Extent, Shape, group_coords
 from strategies import indices, mesh_shapes, raw_slices, row_major, selects, shapes, slice_args
 
 PROPERTY = settings(max_examples=80, deadline=None)
@@ -157,6 +157,16 @@ def test_point_of_row_major_mesh() -> None:
     assert (dict(p), p.rank, p.label()) == ({"dp": 1, "tp": 2}, 6, "dp=1,tp=2")
 
 
+def test_extent_is_the_abstract_mesh() -> None:
+    e = Shape.row_major(("dp", "tp"), (2, 3)).slice(tp=slice(0, 2)).extent
+    assert e == Extent(("dp", "tp"), (2, 2)) == {"tp": 2, "dp": 2} and hash(e) == hash(Extent(("dp", "tp"), (2, 2)))
+    assert e != Extent(("tp", "dp"), (2, 2))  # a mesh's dim order matters: placements follow it
+    assert (repr(e), e.label(), e.nelements, len(e), e.dim("tp")) == ("{'dp': 2, 'tp': 2}", "dp=2, tp=2", 4, 2, 1)
+    assert list(e.coords()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with pytest.raises(MeshError, match="no dim 'pp'"):
+        e.dim("pp")
+
+
 def test_value_mesh_example() -> None:
     vm = ValueMesh(Shape.row_major(("dp", "tp"), (2, 2)), ["a", "b", "c", "d"])
     assert vm.slice(tp=1).values() == ["b", "d"]
@@ -203,6 +213,17 @@ def test_point_and_rank_at_round_trip(shape: Shape) -> None:
         assert p.coords == coords and p.rank == i
         assert dict(p) == dict(zip(shape.labels, coords, strict=True))
         assert shape.rank_at(p.coords) == ranks[i]
+
+
+@PROPERTY
+@given(shapes())
+def test_group_coords_are_the_other_dims_sliced_away(shape: Shape) -> None:
+    for coords in coords_of(shape.sizes):
+        for d, label in enumerate(shape.labels):
+            others = {lb: c for lb, c in zip(shape.labels, coords, strict=True) if lb != label}
+            group = group_coords(coords, d, shape.sizes)
+            assert [shape.rank_at(c) for c in group] == shape.slice(**others).ranks()
+            assert group[coords[d]] == coords
 
 
 @PROPERTY

@@ -1,9 +1,9 @@
 """Sharding propagation: for one op call, the input and output placements on every mesh dim.
 
 Each mesh dim is decided on its own: of the rule's strategies (plus "all replicated"), the one whose
-input redistributions move the fewest bytes wins; ties go to fewer redistribution steps, then to a
-sharded output, then to a Partial one. An op with no rule runs replicated, with a one-time warning
-(an UnsupportedOpError under MONARCH_STRICT=1).
+input redistributions move the fewest bytes (`redistribute.cost`) wins; ties go to fewer redistribution
+steps, then to a sharded output, then to a Partial one. An op with no rule runs replicated, with a
+one-time warning (an UnsupportedOpError under MONARCH_STRICT=1).
 """
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ import torch
 from monarch import config
 from monarch.errors import UnsupportedOpError
 from monarch.graph.rules.table import Emitter, OpCall, Rule, Strategy, all_replicated, rule_for, writes_first_arg
-from monarch.tensor.placement import R, Partial, Placement, Shard
-from monarch.tensor.spec import AbstractMesh, Spec
+from monarch.graph.redistribute import cost, direct_kind
+from monarch.shape import Extent
+from monarch.tensor.placement import R, Partial, Shard
+from monarch.tensor.spec import Spec
 
 _warned: set[str] = set()
-_POINT = AbstractMesh(("point",), (1,))  # a mesh dim of size 1
+_POINT = Extent(("point",), (1,))  # a mesh dim of size 1
 _INTERNAL = tuple(str(Path(f).parent) + os.sep for f in (torch.__file__, config.__file__))  # torch/, monarch/
 
 
@@ -40,9 +42,9 @@ def decide(call: OpCall) -> Decision:
     if rule is None:
         return _fallback(call)
     inplace = writes_first_arg(call.op)
-    if call.ins and not call.ins[0].mesh.ndim:
+    if call.ins and not len(call.ins[0].mesh):
         return _one_rank(call, rule, inplace)
-    chosen = tuple(_best(call, d, rule(call, d), inplace) for d in range(call.ins[0].mesh.ndim if call.ins else 0))
+    chosen = tuple(_best(call, d, rule(call, d), inplace) for d in range(len(call.ins[0].mesh) if call.ins else 0))
     ins = tuple(s.with_placements(tuple(c.inputs[i] for c in chosen)) for i, s in enumerate(call.ins))
     outs = tuple(s.with_placements(tuple(c.outputs[i] for c in chosen)) for i, s in enumerate(call.outs))
     emit = next((c.emit for c in chosen if c.emit is not None), None)
@@ -73,7 +75,6 @@ def _key(call: OpCall, d: int, s: Strategy, order: int, inplace: bool) -> tuple[
 
     An in-place op first of all keeps its target's placement (a parameter updated by a Partial
     gradient stays replicated: the gradient is reduced, not the parameter made Partial)."""
-    n = call.ins[0].mesh.sizes[d]
     nbytes, changes = 0.0, 0
     for spec, want in zip(call.ins, s.inputs, strict=True):
         have = spec.placements[d]
@@ -81,23 +82,12 @@ def _key(call: OpCall, d: int, s: Strategy, order: int, inplace: bool) -> tuple[
             return None
         if have != want:
             changes += 1
-            nbytes += _transition_bytes(spec, have, want, n)
+            nbytes += cost(direct_kind(have, want), spec, d)
     out = s.outputs[0] if s.outputs else None
     rank = 0 if isinstance(out, Shard) else 1 if isinstance(out, Partial) else 2
     keep = call.ins[0].placements[d] if inplace else None
     moves_target = int(inplace and (s.inputs[0] != keep or s.outputs[0] != keep))
     return (moves_target, nbytes, changes, rank, order)
-
-
-def _transition_bytes(spec: Spec, have: Placement, want: Placement, n: int) -> float:
-    """Bytes a rank sends to change one mesh dim's placement (leaving R is always local)."""
-    if n == 1 or not isinstance(have, (Shard, Partial)):
-        return 0.0
-    if isinstance(want, Shard):
-        factor = 0.5 if isinstance(have, Shard) else 1.0  # all_to_all, reduce_scatter
-    else:
-        factor = 2.0 if isinstance(have, Partial) else 1.0  # all_reduce, all_gather
-    return factor * spec.nbytes * (n - 1) / n
 
 
 def _fallback(call: OpCall) -> Decision:
@@ -111,8 +101,7 @@ def _fallback(call: OpCall) -> Decision:
         warnings.warn(f"monarch: {name} has no sharding rule; its inputs are gathered and it runs replicated "
                       "(MONARCH_STRICT=1 makes this an error)", stacklevel=_user_stacklevel())
     s = all_replicated(call)
-    mesh = call.ins[0].mesh if call.ins else None
-    ndim = mesh.ndim if mesh else 0
+    ndim = len(call.ins[0].mesh) if call.ins else 0
     ins = tuple(spec.with_placements(tuple(s.inputs[i] for _ in range(ndim))) for i, spec in enumerate(call.ins))
     outs = tuple(spec.with_placements(tuple(s.outputs[i] for _ in range(ndim))) for i, spec in enumerate(call.outs))
     return Decision(ins, outs, (s,) * ndim, None)

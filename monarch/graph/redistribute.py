@@ -10,12 +10,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from monarch.program.instr import Buf, Comm, Local
+from monarch.shape import group_coords
 from monarch.tensor.placement import R, Partial, Placement, Placements, Shard
 from monarch.tensor.spec import Spec
 
 COMM_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 COST_FACTOR = {"all_gather": 1.0, "all_reduce": 2.0, "reduce_scatter": 1.0, "all_to_all": 0.5,
                "chunk": 0.0, "partialize": 0.0}
+
+
+def cost(kind: str, spec: Spec, mdim: int) -> float:
+    """THE cost model: the bytes a rank sends, roughly, to run step `kind` on mesh dim `mdim` of `spec`:
+    its piece (the tensor over the shards of the other mesh dims) times the collective's factor."""
+    n = spec.mesh.sizes[mdim]
+    if n == 1:
+        return 0.0
+    piece = float(spec.nbytes)
+    for d, p in enumerate(spec.placements):
+        if d != mdim and isinstance(p, Shard):
+            piece /= spec.mesh.sizes[d]
+    return COST_FACTOR[kind] * piece * (n - 1) / n
+
+
+def direct_kind(have: Placement, want: Placement) -> str:
+    """The step that moves one mesh dim from `have` to `want` in one go (`plan` may take two when
+    another mesh dim shards the same tensor dim); leaving R is always local."""
+    if isinstance(have, Partial):
+        return "reduce_scatter" if isinstance(want, Shard) else "all_reduce"
+    if isinstance(have, Shard):
+        return "all_to_all" if isinstance(want, Shard) else "all_gather"
+    return "chunk" if isinstance(want, Shard) else "partialize"
 
 
 @dataclass(frozen=True)
@@ -31,18 +55,10 @@ class Step:
         return self.kind in COMM_KINDS
 
     def cost(self) -> float:
-        """Bytes a rank sends, roughly: the piece's size times the collective's factor."""
-        n = self.before.mesh.sizes[self.mdim]
-        if n == 1:
-            return 0.0
-        piece = float(self.before.nbytes)
-        for d, p in enumerate(self.before.placements):
-            if d != self.mdim and isinstance(p, Shard):
-                piece /= self.before.mesh.sizes[d]
-        return COST_FACTOR[self.kind] * piece * (n - 1) / n
+        return cost(self.kind, self.before, self.mdim)
 
     def __repr__(self) -> str:
-        name = self.before.mesh.names[self.mdim]
+        name = self.before.mesh.labels[self.mdim]
         return f"{self.kind}[{name}]({self.before.placements[self.mdim]}->{self.after.placements[self.mdim]})"
 
 
@@ -134,8 +150,7 @@ def emit_step(step: Step, coords: tuple[int, ...], src: int, out: int) -> Local 
         p = step.after.placements[d]
         assert isinstance(p, Partial)
         return Local("monarch::partialize", (Buf(src), coords[d] == 0, p.op), {}, (out,))
-    shapes = tuple(step.before.local_shape(coords[:d] + (k,) + coords[d + 1:])
-                   for k in range(step.before.mesh.sizes[d]))
+    shapes = tuple(map(step.before.local_shape, group_coords(coords, d, step.before.mesh.sizes)))
     before, after = step.before.placements[d], step.after.placements[d]
     dtype = step.before.dtype
     if step.kind == "all_gather":

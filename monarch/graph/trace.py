@@ -26,7 +26,8 @@ from monarch.program.instr import Buf, Instr, Local
 from monarch.tensor.meshtensor import Backend, MeshTensor
 from monarch.tensor.placement import Placements, Replicate
 from monarch.tensor.random import next_seed
-from monarch.tensor.spec import AbstractMesh, Spec, spec_of
+from monarch.shape import Extent
+from monarch.tensor.spec import Spec, spec_of
 
 SCALARS = (int, float, bool, complex)
 PLAIN = (str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -73,7 +74,7 @@ class Capture:
 class TracedGraph:
     """A closed pending graph: fx nodes carry `ids`, `specs`, `emit` and `local_args` in their meta."""
     graph: fx.Graph
-    mesh: AbstractMesh
+    mesh: Extent
     live: frozenset[int]      # buffers still held by MeshTensors after this graph
     released: tuple[int, ...]  # buffers produced earlier whose MeshTensors are gone
 
@@ -96,7 +97,7 @@ _EXTERNAL = fx.Graph().placeholder("external")  # the producer of buffers made b
 class Tracer:
     """The pending graph of one mesh view."""
 
-    def __init__(self, mesh: AbstractMesh, backend: Backend) -> None:
+    def __init__(self, mesh: Extent, backend: Backend) -> None:
         self.mesh, self.backend = mesh, backend
         self.ids = itertools.count(1)
         self.live: dict[int, int] = {}  # buffer id -> how many Values name it (a cached redistribution is shared)
@@ -209,7 +210,7 @@ class Tracer:
             node.meta["seed"] = next_seed()
             return
         if cap.salt is None:
-            spec = spec_of(torch.empty((), dtype=torch.int64, device=_META), (Replicate(),) * self.mesh.ndim, self.mesh)
+            spec = spec_of(torch.empty((), dtype=torch.int64, device=_META), (Replicate(),) * len(self.mesh), self.mesh)
             cap.salt, _ = self.node(feed, (), (spec,), _no_instructions)
             node.prepend(cap.salt)
         node._update_args_kwargs((*node.args, cap.salt), {})
@@ -224,7 +225,7 @@ class Tracer:
             return {k: self._constants(v) for k, v in obj.items()}
         if isinstance(obj, torch.Tensor) and t is not MeshTensor:
             data = obj.detach().clone()
-            spec = spec_of(data, (Replicate(),) * self.mesh.ndim, self.mesh)
+            spec = spec_of(data, (Replicate(),) * len(self.mesh), self.mesh)
             node, ids = self.node(constant, (), (spec,),
                                   lambda ctx: [Local("monarch::constant", (data,), {}, ctx.out_ids)])
             return self.wrap(spec, node, ids[0])
@@ -259,7 +260,7 @@ class Tracer:
             raise ShapeError(f"{func.name()}: {e} (inputs: {specs}); plain torch rejects the same global "
                              "shapes, fix the shapes or dims of the inputs") from None
         flat, build = _structure(func, result)
-        R = (Replicate(),) * self.mesh.ndim
+        R = (Replicate(),) * len(self.mesh)
         outs = tuple(spec_of(m, R, self.mesh) for m in flat)
         placed = iter([t._spec for t in ins])
         call = OpCall(func, _substitute(args, placed), _substitute(kwargs, placed) if kwargs else {},

@@ -66,7 +66,7 @@ class MeshTensor(torch.Tensor):
 
     def redistribute(self, placements: Mapping[str, Placement] | Sequence[Placement]) -> MeshTensor:
         """The same global tensor with new placements (collectives run on the workers)."""
-        target = normalize(placements, self._spec.mesh.names, self.ndim, "redistribute")
+        target = normalize(placements, self._spec.mesh.labels, self.ndim, "redistribute")
         if target == self._spec.placements:
             return self
         return _Redistribute.apply(self, target)
@@ -100,7 +100,7 @@ class MeshTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         body = repr(self.full_tensor())
-        return f"MeshTensor({body}, mesh={self._spec.mesh}, placements={self._spec.placement_str()})"
+        return f"MeshTensor({body}, mesh=({self._spec.mesh.label()}), placements={self._spec.placement_str()})"
 
     __str__ = __repr__  # type: ignore[assignment]
 

@@ -114,11 +114,6 @@ def local_bounds(shape: Sequence[int], placements: Placements, sizes: Sequence[i
     return tuple(bounds)
 
 
-def local_shape(shape: Sequence[int], placements: Placements, sizes: Sequence[int],
-                coords: Sequence[int]) -> tuple[int, ...]:
-    return tuple(n for _, n in local_bounds(shape, placements, sizes, coords))
-
-
 def describe(placements: Placements, names: Sequence[str]) -> str:
     """`{dp: S(0), tp: R}`."""
     return "{" + ", ".join(f"{n}: {p}" for n, p in zip(names, placements, strict=True)) + "}"

@@ -12,14 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import monarch
-from monarch.graph.redistribute import plan
-from monarch.tensor import AbstractMesh, Partial, Replicate, Shard, Spec
+from monarch.graph.redistribute import cost, direct_kind, plan
+from monarch.shape import Extent
+from monarch.tensor import Partial, Replicate, Shard, Spec
 from strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 R, P = Replicate(), Partial("sum")
 S0, S1 = Shard(0), Shard(1)
-LINE = AbstractMesh(("x",), (4,))
-GRID = AbstractMesh(("dp", "tp"), (2, 2))
+LINE = Extent(("x",), (4,))
+GRID = Extent(("dp", "tp"), (2, 2))
 
 SINGLE = [
     (R, R, []), (R, S0, ["chunk"]), (R, S1, ["chunk"]), (R, P, ["partialize"]),
@@ -45,13 +46,13 @@ NESTED = [  # (src, dst, steps as "kind[mesh dim]")
 ]
 
 
-def spec(shape: tuple[int, ...], placements: tuple, mesh: AbstractMesh, dtype: torch.dtype = torch.float32) -> Spec:
+def spec(shape: tuple[int, ...], placements: tuple, mesh: Extent, dtype: torch.dtype = torch.float32) -> Spec:
     meta = torch.empty(shape, dtype=dtype, device="meta")
     return Spec(shape, tuple(meta.stride()), dtype, placements, mesh)
 
 
 def named(p) -> list[str]:
-    return [f"{s.kind}[{s.before.mesh.names[s.mdim]}]" for s in p.steps]
+    return [f"{s.kind}[{s.before.mesh.labels[s.mdim]}]" for s in p.steps]
 
 
 @pytest.mark.parametrize("src, dst, kinds", SINGLE, ids=[f"{a}->{b}" for a, b, _ in SINGLE])
@@ -61,6 +62,7 @@ def test_single_dim_steps(src, dst, kinds) -> None:
     assert p.dst.placements == (dst,)
     assert p.comms() == [k for k in kinds if k not in ("chunk", "partialize")]
     assert (p.cost() == 0) == (not p.comms())
+    assert p.cost() == (cost(direct_kind(src, dst), p.src, 0) if src != dst else 0)  # what propagation weighs
 
 
 @pytest.mark.parametrize("src, dst, steps", NESTED, ids=[f"{a}->{b}" for a, b, _ in NESTED])
@@ -77,7 +79,7 @@ def test_step_specs_chain_and_cost() -> None:
     assert p.src.placements == (S0, S1) and p.steps[-1].after.placements == (R, R)
     assert [s.cost() for s in p.steps] == [64.0, 128.0]  # bytes sent: half of a 128 B piece, half of 256 B
     assert plan(spec((8, 8), (P, R), GRID), (R, R)).cost() == 256.0  # all_reduce sends twice as much
-    assert plan(spec((8, 8), (S0, S1), AbstractMesh(("dp", "tp"), (1, 1))), (R, R)).cost() == 0
+    assert plan(spec((8, 8), (S0, S1), Extent(("dp", "tp"), (1, 1))), (R, R)).cost() == 0
     assert repr(plan(spec((2,), (R,), LINE), (R,))) == "(no-op)"
 
 
@@ -114,7 +116,7 @@ def test_redistribute_roundtrip_on_reference(case) -> None:
 
 
 def mesh_coords(dims: dict[str, int]) -> list[tuple[int, ...]]:
-    return list(AbstractMesh(tuple(dims), tuple(dims.values())).coords())
+    return list(Extent(tuple(dims), tuple(dims.values())).coords())
 
 
 def test_redistribute_of_real_partial_sums() -> None:

@@ -18,7 +18,8 @@ from monarch import Partial, Replicate, Shard
 from monarch.graph.propagate import decide
 from monarch.graph.rules.table import RULES, Emit, OpCall, Strategy
 from monarch.program.instr import Buf, Local
-from monarch.tensor.spec import AbstractMesh, Spec
+from monarch.shape import Extent
+from monarch.tensor.spec import Spec
 from tests.strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 aten = torch.ops.aten
@@ -249,7 +250,7 @@ def test_vocab_sharded_embedding_is_one_all_reduce() -> None:
 
 
 # -- the rules on hand-built specs ------------------------------------------------------------------
-MESH = AbstractMesh(("x",), (4,))
+MESH = Extent(("x",), (4,))
 
 
 def spec(shape: tuple[int, ...], *placements: Any, dtype: torch.dtype = torch.float32) -> Spec:

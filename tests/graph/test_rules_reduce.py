@@ -17,7 +17,8 @@ from monarch import Partial, Replicate, Shard
 from monarch.graph.propagate import decide
 from monarch.graph.rules.table import RULES, Emit, OpCall, Strategy
 from monarch.program.instr import Buf
-from monarch.tensor.spec import AbstractMesh, Spec
+from monarch.shape import Extent
+from monarch.tensor.spec import Spec
 from tests.strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 aten = torch.ops.aten
@@ -194,7 +195,7 @@ def test_indices_and_moments_gather_reduced_dims() -> None:
 
 
 # -- the rules on hand-built specs ------------------------------------------------------------------
-MESH = AbstractMesh(("x",), (2,))
+MESH = Extent(("x",), (2,))
 
 
 def spec(shape: tuple[int, ...], *placements: Any, dtype: torch.dtype = torch.float32) -> Spec:

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 import monarch
 from monarch.graph.rules.table import RULES, Emit, OpCall, Strategy
 from monarch.graph.rules.view import aligned
-from monarch.tensor import AbstractMesh, MeshTensor, Partial, Replicate, Shard, Spec
+from monarch.shape import Extent
+from monarch.tensor import MeshTensor, Partial, Replicate, Shard, Spec
 from monarch.program.instr import Buf
 from strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
@@ -77,18 +78,18 @@ def sharded(draw: st.DrawFn, min_dims: int = 1, max_dims: int = 4, partial: bool
     return dims, shape, draw(placement_tuples(len(shape), len(dims), partial))
 
 
-def spec(shape: tuple[int, ...], placements: tuple, mesh: AbstractMesh, dtype: torch.dtype = torch.float32) -> Spec:
+def spec(shape: tuple[int, ...], placements: tuple, mesh: Extent, dtype: torch.dtype = torch.float32) -> Spec:
     meta = torch.empty(shape, dtype=dtype, device="meta")
     return Spec(shape, tuple(meta.stride()), dtype, placements, mesh)
 
 
-def op_call(op: Any, args: tuple, ins: tuple[Spec, ...], mesh: AbstractMesh) -> OpCall:
+def op_call(op: Any, args: tuple, ins: tuple[Spec, ...], mesh: Extent) -> OpCall:
     """The OpCall the tracer would build (output metas from running `op` on meta tensors)."""
     metas = iter([s.meta() for s in ins])
     real = tuple([next(metas) for _ in a] if isinstance(a, list) and a and isinstance(a[0], Spec) else
                  next(metas) if isinstance(a, Spec) else a for a in args)
     outs = flat(op(*real))
-    return OpCall(op, args, {}, ins, tuple(spec(tuple(o.shape), (R,) * mesh.ndim, mesh, o.dtype) for o in outs))
+    return OpCall(op, args, {}, ins, tuple(spec(tuple(o.shape), (R,) * len(mesh), mesh, o.dtype) for o in outs))
 
 
 def pairs(strategies: list[Strategy]) -> set[tuple]:
@@ -287,8 +288,8 @@ def test_shape_op_collectives(fn, shape, ps, want, comms) -> None:
 
 
 # -- rules and emitters on hand-built calls --------------------------------------------------------------
-LINE = AbstractMesh(("x",), (2,))
-GRID = AbstractMesh(("dp", "tp"), (2, 2))
+LINE = Extent(("x",), (2,))
+GRID = Extent(("dp", "tp"), (2, 2))
 
 
 def test_view_rule_offers_only_aligned_shards() -> None:

@@ -105,7 +105,7 @@ def view_dtype(call: OpCall, mdim: int) -> list[Strategy]:
     dims = {k: k for k in range(x.ndim - 1)}
     grow = out.dtype.itemsize // x.dtype.itemsize
     last = x.ndim - 1
-    if x.ndim and (x.shape[last] % (grow * x.mesh.numel) == 0 if grow > 1 else
+    if x.ndim and (x.shape[last] % (grow * x.mesh.nelements) == 0 if grow > 1 else
                    aligned(x, last, out.shape[last], mdim, _blocks(x.dtype.itemsize, out.dtype.itemsize))):
         dims[last] = last
     return [Strategy((Shard(i),), (Shard(o),)) for i, o in dims.items()]

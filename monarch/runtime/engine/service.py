@@ -15,7 +15,7 @@ from monarch import config
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import InstallProgram, InvokeProgram, RunProgram
 from monarch.runtime.engine.engine import Engine
-from monarch.shape import Shape
+from monarch.shape import Shape, group_coords
 from monarch.runtime.telemetry.events import RECORDER, now_us
 from monarch.runtime.engine.transport.mpi import MpiTransport
 from monarch.program.instr import Free, Instr
@@ -33,9 +33,9 @@ class TensorService:
         self.installed: dict[int, tuple[Shape, tuple[Instr, ...]]] = {}
 
     def _group(self, mdim: int) -> tuple[int, ...]:
-        view, c = self._view, self._coords
+        view = self._view
         assert view is not None
-        return tuple(view.rank_at(c[:mdim] + (k,) + c[mdim + 1:]) for k in range(view.sizes[mdim]))
+        return tuple(view.rank_at(c) for c in group_coords(self._coords, mdim, view.sizes))
 
     def _place(self, view: Shape) -> tuple[tuple[int, ...], str]:
         hit = self._places.get(view)

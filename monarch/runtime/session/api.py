@@ -37,7 +37,7 @@ def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placem
     s = session_of(procs)
     shape = _dims(shape)
     dtype = dtype or torch.get_default_dtype()
-    ps = normalize(placements, s.abstract.names, len(shape), what)
+    ps = normalize(placements, s.abstract.labels, len(shape), what)
     if any(isinstance(p, Partial) for p in ps):
         raise ShardingError(f"{what}: a new tensor cannot be Partial {ps}; create it Replicate and redistribute")
     meta = torch.empty(shape, dtype=dtype, device="meta")
@@ -129,7 +129,7 @@ def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg
         if tensor._backend is s:
             return tensor.redistribute(placements or {})
         tensor = tensor.full_tensor()
-    ps = normalize(placements, s.abstract.names, tensor.ndim, "distribute_tensor")
+    ps = normalize(placements, s.abstract.labels, tensor.ndim, "distribute_tensor")
     whole = tuple(Replicate() if isinstance(p, Partial) else p for p in ps)
     data = tensor.detach().clone()
 
@@ -175,7 +175,7 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
         assert isinstance(s, Session)
         traced = s.tracer.take()
         programs = partition(traced)
-        texts.append(f"graph on {s.abstract} ({outline(traced)}):\n{traced}\n\n" +
+        texts.append(f"graph on ({s.abstract.label()}) ({outline(traced)}):\n{traced}\n\n" +
                      "\n".join(str(p) for p in programs))
         s.ship(traced, programs)
     text = "\n\n".join(texts)
@@ -267,7 +267,7 @@ def _local_map_specs(fn: Callable[..., Any], args: list[Any], outs: list[Placeme
     specs = []
     for k, placements in enumerate(outs):
         local = [r[k] for r in per_rank]
-        ps = normalize(placements, s.abstract.names, local[0].ndim, "local_map out_placements")
+        ps = normalize(placements, s.abstract.labels, local[0].ndim, "local_map out_placements")
         shape = list(local[0].shape)
         for d in {p.dim for p in ps if isinstance(p, Shard)}:
             shape[d] = sum(m.shape[d] for c, m in zip(s.abstract.coords(), local, strict=True)

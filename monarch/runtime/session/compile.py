@@ -231,7 +231,7 @@ def _plain(t: Any) -> bool:
 
 def _replicated(t: torch.Tensor, s: Session) -> Spec:
     meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return spec_of(meta, (Replicate(),) * s.abstract.ndim, s.abstract)
+    return spec_of(meta, (Replicate(),) * len(s.abstract), s.abstract)
 
 
 def home(near: list[Any], state: list[Any]) -> Session:

@@ -17,7 +17,7 @@ from monarch.runtime.engine.engine import Engine
 from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.session.session import Fetch, Session
-from monarch.shape import MeshView, Shape
+from monarch.shape import MeshView, Shape, group_coords
 from monarch.program.instr import Comm, Free, Start
 
 
@@ -29,7 +29,7 @@ def _bucket(engines: list[Engine], programs: tuple[RankProgram, ...], i: int, si
         if p.coords in done:
             continue
         d = cast(Start, p.instrs[i]).mdim
-        members = [p.coords[:d] + (k,) + p.coords[d + 1:] for k in range(sizes[d])]
+        members = group_coords(p.coords, d, sizes)
         done.update(members)
         starts = [cast(Start, programs[index[c]].instrs[i]) for c in members]
         parts = [engines[index[c]].bucket_input(s) for c, s in zip(members, starts, strict=True)]
@@ -120,7 +120,7 @@ def run_lockstep(engines: list[Engine], programs: tuple[RankProgram, ...], sizes
             if p.coords in done:
                 continue
             d = first.mdim
-            members = [p.coords[:d] + (k,) + p.coords[d + 1:] for k in range(sizes[d])]
+            members = group_coords(p.coords, d, sizes)
             done.update(members)
             comms = [cast(Comm, programs[index[c]].instrs[i]) for c in members]
             assert all(isinstance(c, Comm) for c in comms), f"instruction {i}: ranks disagree on a collective"

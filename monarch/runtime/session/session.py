@@ -30,7 +30,7 @@ from monarch.runtime.session.lower import lower, lower_install
 from monarch.program.instr import Comm, Local, Start
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
-from monarch.tensor.spec import AbstractMesh, Spec
+from monarch.tensor.spec import Spec
 
 
 class Runner(Protocol):
@@ -57,7 +57,7 @@ class Session:
         self.mesh = procs
         self.runner = runner
         self.view = procs._shape
-        self.abstract = AbstractMesh(tuple(self.view.labels), tuple(self.view.sizes))
+        self.abstract = self.view.extent
         self.tracer = Tracer(self.abstract, self)
         self.flushes = 0
         self.collectives: list[str] = []  # kind[dim] of every collective shipped, in order
@@ -144,7 +144,7 @@ class Session:
 
     def _comm_names(self, programs: tuple[RankProgram, ...]) -> list[str]:
         """`kind[dim]` of each collective the programs run, in order."""
-        names = self.abstract.names
+        names = self.abstract.labels
         return [f"{i.kind}[{names[i.mdim]}]" if isinstance(i, Comm) else f"all_reduce[{names[i.mdim]}]"
                 for i in programs[0].instrs if isinstance(i, (Comm, Start))]
 
