@@ -372,6 +372,21 @@ def make_capturable(opt: torch.optim.Adam) -> None:
             if st and "step" in st and not isinstance(st["step"], MeshTensor):
                 st["step"] = distribute_tensor(st["step"].to(torch.float32), p.mesh)
     opt._monarch_steps = len(opt.state)  # type: ignore[attr-defined]
+    _step_eagerly_too(opt)
+
+
+def _step_eagerly_too(opt: torch.optim.Optimizer) -> None:
+    """A capturable optimizer must also step outside a compiled step (eagerly, after a resume): this one
+    optimizer's `step` runs under capturable_on_cpu(), other optimizers keep torch's check."""
+    if "step" in vars(opt):
+        return
+    own = opt.step
+
+    @functools.wraps(own)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        with capturable_on_cpu():
+            return own(*args, **kwargs)
+    opt.step = step  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

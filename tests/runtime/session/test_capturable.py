@@ -59,3 +59,26 @@ def test_the_hook_is_removed_when_recording_raises() -> None:
     with pytest.raises(ValueError, match="the step fails"):
         step(monarch.distribute_tensor(torch.ones(3), mesh))
     assert torch_own()
+
+
+def test_an_optimizer_a_compiled_step_made_capturable_still_steps_eagerly() -> None:
+    mesh = LocalMesh({"dp": 2})
+    w = monarch.distribute_tensor(torch.ones(4, 2), mesh).requires_grad_(True)
+    x = monarch.distribute_tensor(torch.ones(6, 4), mesh, {"dp": Shard(0)})
+    opt = torch.optim.AdamW([w], lr=0.1)
+    ref = torch.ones(4, 2, requires_grad=True)
+    ref_opt = torch.optim.AdamW([ref], lr=0.1)
+
+    def run(weight: torch.Tensor, inputs: torch.Tensor, o: torch.optim.Optimizer) -> None:
+        (inputs @ weight).sum().backward()
+        o.step()
+        o.zero_grad()
+
+    step = monarch.compile(lambda x: run(w, x, opt) or (x @ w).sum())
+    for _ in range(2):
+        step(x)
+        run(ref, torch.ones(6, 4), ref_opt)
+    run(w, x, opt)  # eagerly, after the compiled steps made the optimizer capturable
+    run(ref, torch.ones(6, 4), ref_opt)
+    assert torch_own()
+    torch.testing.assert_close(w.full_tensor(), ref.detach())
