@@ -23,15 +23,15 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
-
 from actors import Echo, cpu_model, os_name, signal_detection
+from telemetry_overhead import Switch, calls, compiled_step, paired, pinned, steps_ms, table
+
 from monarch import config
 from monarch.actor import ProcMesh, this_host
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import Heartbeat
 from monarch.runtime.control.controller import controller
 from monarch.runtime.control.heartbeat import Watch, interval
-from telemetry_overhead import Switch, calls, compiled_step, paired, pinned, steps_ms, table
 
 TIMEOUT = 60.0  # seconds any single wait may take before the benchmark fails
 

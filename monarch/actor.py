@@ -6,12 +6,12 @@ endpoints with `call`, `call_one`, `choose`, `broadcast` and `stream`.
 from __future__ import annotations
 
 from monarch.errors import ActorError, SupervisionError
-from monarch.runtime.control.commands import MeshFailure
-from monarch.runtime.control.client import current_rank, current_size
-from monarch.runtime.actors.endpoint import Actor, Endpoint, endpoint
-from monarch.runtime.control.futures import Future, ValueMesh
 from monarch.runtime.actors.actor_mesh import ActorMesh, EndpointRef
+from monarch.runtime.actors.endpoint import Actor, Endpoint, endpoint
 from monarch.runtime.actors.proc_mesh import HostMesh, ProcMesh, this_host
+from monarch.runtime.control.client import current_rank, current_size
+from monarch.runtime.control.commands import MeshFailure
+from monarch.runtime.control.futures import Future, ValueMesh
 from monarch.shape import Extent, Point, Shape
 
 __all__ = [

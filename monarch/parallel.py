@@ -22,9 +22,9 @@ from torch.utils._pytree import tree_map_only
 
 from monarch.errors import MeshError, ShardingError
 from monarch.runtime.control.futures import Future
-from monarch.runtime.session.torch_state import on_mesh_of
-from monarch.runtime.session.session import session_of
 from monarch.runtime.session.api import distribute_tensor, fetch
+from monarch.runtime.session.session import session_of
+from monarch.runtime.session.torch_state import on_mesh_of
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard, normalize
 

@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from strategies import indices, mesh_shapes, raw_slices, row_major, selects, shapes, slice_args
 
 from monarch.errors import MeshError
 from monarch.runtime.control.futures import ValueMesh
 from monarch.shape import Extent, Shape, group_coords
-from strategies import indices, mesh_shapes, raw_slices, row_major, selects, shapes, slice_args
 
 PROPERTY = settings(max_examples=80, deadline=None)
 NEW_NAMES = tuple("abcdefghi")  # disjoint from strategies.DIM_NAMES

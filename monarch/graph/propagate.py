@@ -17,10 +17,10 @@ import torch
 
 from monarch import config
 from monarch.errors import UnsupportedOpError
-from monarch.graph.rules.table import Emitter, OpCall, Rule, Strategy, all_replicated, rule_for, writes_first_arg
 from monarch.graph.redistribute import cost, direct_kind
+from monarch.graph.rules.table import Emitter, OpCall, Rule, Strategy, all_replicated, rule_for, writes_first_arg
 from monarch.shape import Extent
-from monarch.tensor.placement import R, Partial, Shard
+from monarch.tensor.placement import Partial, R, Shard
 from monarch.tensor.spec import Spec
 
 _warned: set[str] = set()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from monarch.program.instr import Buf, Comm, Local
 from monarch.shape import group_coords
-from monarch.tensor.placement import R, Partial, Placement, Placements, Shard
+from monarch.tensor.placement import Partial, Placement, Placements, R, Shard
 from monarch.tensor.spec import Spec
 
 COMM_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from monarch.program.program import RankProgram
 from monarch.program.instr import Buf, Comm, Instr, Local, Start, Wait
+from monarch.program.program import RankProgram
 
 
 @dataclass

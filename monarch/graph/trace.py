@@ -23,10 +23,10 @@ from monarch.graph.propagate import Decision, decide
 from monarch.graph.redistribute import Plan, emit_step, plan
 from monarch.graph.rules.table import Emit, OpCall, writes_first_arg
 from monarch.program.instr import Buf, Instr, Local
+from monarch.shape import Extent
 from monarch.tensor.meshtensor import Backend, MeshTensor
 from monarch.tensor.placement import Placements, Replicate
 from monarch.tensor.random import next_seed
-from monarch.shape import Extent
 from monarch.tensor.spec import Spec, spec_of
 
 SCALARS = (int, float, bool, complex)

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import monarch
-from monarch import (ColwiseParallel, MeshError, MeshTensor, RowwiseParallel, SequenceParallel, Shard,
-                     ShardingError)
+from monarch import ColwiseParallel, MeshError, MeshTensor, RowwiseParallel, SequenceParallel, Shard, ShardingError
 from monarch.actor import ProcMesh
 from monarch.runtime.session.local import LocalMesh
 from monarch.runtime.session.session import session_of

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import placement_tuples
 
 import monarch
 from monarch import MeshTensor, Partial, Shard
 from monarch.actor import ProcMesh
 from monarch.tensor.placement import R
-from strategies import placement_tuples
 
 T = 30.0  # seconds any single wait may take
 

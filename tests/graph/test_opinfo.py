@@ -27,7 +27,7 @@ from monarch.errors import MonarchError, SupervisionError
 from monarch.graph.rules.table import RULES
 from monarch.runtime.control.futures import Future
 from monarch.tensor.meshtensor import MeshTensor
-from monarch.tensor.placement import R, Placement, Shard
+from monarch.tensor.placement import Placement, R, Shard
 
 pytestmark = pytest.mark.timeout(300)  # one module fixture runs every OpInfo (about 30 s)
 PASSING = Path(__file__).with_name("opinfo_passing.txt")

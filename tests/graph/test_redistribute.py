@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 import monarch
 from monarch.graph.redistribute import cost, direct_kind, plan
 from monarch.shape import Extent
 from monarch.tensor import Partial, Replicate, Shard, Spec
-from strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 R, P = Replicate(), Partial("sum")
 S0, S1 = Shard(0), Shard(1)

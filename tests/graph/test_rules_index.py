@@ -10,14 +10,14 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import placement_tuples, tensor_shapes
+from test_rules_view import LINE, MESHES, SETTINGS, check, data, mesh_of, pairs, sharded, shipped, spec
 
 import monarch
 from monarch import config
 from monarch.graph.rules.table import RULES, OpCall
 from monarch.runtime.session.local import LocalMesh
 from monarch.tensor import MeshTensor, Partial, Replicate, Shard
-from strategies import placement_tuples, tensor_shapes
-from test_rules_view import LINE, MESHES, SETTINGS, check, data, mesh_of, pairs, sharded, shipped, spec
 
 pytestmark = pytest.mark.usefixtures("strict")
 

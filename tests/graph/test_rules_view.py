@@ -15,14 +15,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 import monarch
 from monarch.graph.rules.table import RULES, Emit, OpCall, Strategy
 from monarch.graph.rules.view import aligned
+from monarch.program.instr import Buf
 from monarch.shape import Extent
 from monarch.tensor import MeshTensor, Partial, Replicate, Shard, Spec
-from monarch.program.instr import Buf
-from strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial("sum")

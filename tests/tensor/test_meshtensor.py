@@ -14,13 +14,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import placement_tuples, tensor_shapes
 
 import monarch
 from monarch import MeshTensor, Partial, Replicate, Shard
 from monarch.actor import Actor, ProcMesh, endpoint
 from monarch.runtime.session.local import LocalMesh
 from monarch.runtime.session.session import Session, session_of
-from strategies import placement_tuples, tensor_shapes
 
 pytestmark = pytest.mark.filterwarnings("ignore:monarch. .* has no sharding rule")
 

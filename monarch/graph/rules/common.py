@@ -12,7 +12,7 @@ import torch
 
 from monarch.graph.rules.table import Emit, Emitter, OpCall, Strategy, op_name
 from monarch.program.instr import Buf, Local
-from monarch.tensor.placement import R, Placement, Shard
+from monarch.tensor.placement import Placement, R, Shard
 from monarch.tensor.spec import Spec
 
 aten = torch.ops.aten

@@ -13,7 +13,7 @@ from typing import Any
 from monarch.graph.rules.common import aten, random_piece, resized, uniform_piece
 from monarch.graph.rules.table import Emit, OpCall, Strategy, register_rule
 from monarch.program.instr import Local
-from monarch.tensor.placement import R, Placement, Shard
+from monarch.tensor.placement import Placement, R, Shard
 
 LIKE = sorted([aten.empty_like.default, aten.full_like.default, aten.ones_like.default, aten.zeros_like.default],
               key=str)

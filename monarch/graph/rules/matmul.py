@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 
 import monarch.tensor.ops  # noqa: F401 - defines torch.ops.monarch.matmul
-
 from monarch.graph.rules.common import aten, broadcast_shard
 from monarch.graph.rules.table import OpCall, Strategy, register_rule
-from monarch.tensor.placement import P, R, Placement, Shard
+from monarch.tensor.placement import P, Placement, R, Shard
 
 EINSUM = {
     aten.mm.default: "mk,kn->mn",

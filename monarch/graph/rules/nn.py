@@ -10,7 +10,7 @@ from __future__ import annotations
 from monarch.graph.rules.common import aten, uniform_piece
 from monarch.graph.rules.table import Emit, OpCall, Strategy, op_name, register_rule
 from monarch.program.instr import Buf, Local
-from monarch.tensor.placement import P, R, Placement, Shard
+from monarch.tensor.placement import P, Placement, R, Shard
 from monarch.tensor.spec import Spec
 
 NONE, MEAN, SUM = 0, 1, 2  # nll_loss reductions

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from monarch.program.instr import Buf, Local
-from monarch.tensor.placement import R, Placement
+from monarch.tensor.placement import Placement, R
 from monarch.tensor.spec import Spec
 
 OpOverload = torch._ops.OpOverload

@@ -12,8 +12,8 @@ from typing import Any
 
 from monarch.errors import MeshError
 from monarch.runtime.control import codec
-from monarch.runtime.control.commands import CONTROLLER, Call
 from monarch.runtime.control.client import client
+from monarch.runtime.control.commands import CONTROLLER, Call
 from monarch.runtime.control.futures import CallState, Future, ValueMesh, mesh_result, one_result, stream_futures
 from monarch.shape import MeshView, Shape
 

@@ -12,10 +12,10 @@ import traceback
 from typing import Any
 
 from monarch.errors import ActorError
-from monarch.runtime.control import codec
-from monarch.runtime.control.commands import MeshFailure, SpawnActor
-from monarch.runtime.control.client import running_as
 from monarch.runtime.actors.endpoint import Endpoint, endpoints_of
+from monarch.runtime.control import codec
+from monarch.runtime.control.client import running_as
+from monarch.runtime.control.commands import MeshFailure, SpawnActor
 
 _loop: asyncio.AbstractEventLoop | None = None
 

@@ -11,16 +11,16 @@ from typing import Any
 
 from monarch import config
 from monarch.errors import MeshError, SpawnError, SupervisionError
+from monarch.runtime.actors.actor_mesh import ActorMesh
+from monarch.runtime.actors.endpoint import endpoints_of
 from monarch.runtime.control import codec, launch
-from monarch.runtime.control.commands import SpawnActor
 from monarch.runtime.control.client import tensor_api
+from monarch.runtime.control.commands import SpawnActor
 from monarch.runtime.control.conn import Mesh
 from monarch.runtime.control.controller import controller
-from monarch.runtime.actors.endpoint import endpoints_of
-from monarch.runtime.actors.actor_mesh import ActorMesh
-from monarch.shape import MeshView, Shape
 from monarch.runtime.telemetry.events import RECORDER, now_us
 from monarch.runtime.telemetry.store import STORE, Rows
+from monarch.shape import MeshView, Shape
 
 log = logging.getLogger("monarch")
 

@@ -21,9 +21,9 @@ from monarch.runtime.control import codec
 from monarch.runtime.control.commands import Call, Reply
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.poller import Poller
-from monarch.shape import Shape
 from monarch.runtime.telemetry.events import RECORDER, error_text, now_us
 from monarch.runtime.telemetry.store import STORE
+from monarch.shape import Shape
 
 log = logging.getLogger("monarch.controller")
 

@@ -30,9 +30,9 @@ from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, Call, Forwar
 from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, TelemetrySink
 from monarch.runtime.control.futures import CallState, deadline_of
 from monarch.runtime.control.poller import Poller
-from monarch.shape import Shape
 from monarch.runtime.telemetry.events import RECORDER, Events, now_us, output_lines
 from monarch.runtime.telemetry.store import STORE, Rows
+from monarch.shape import Shape
 
 log = logging.getLogger("monarch.controller")
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its header

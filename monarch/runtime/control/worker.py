@@ -9,26 +9,26 @@ still sees its own messages in order).
 from __future__ import annotations
 
 import itertools
-import time
 import select
 import socket
 import sys
+import time
 from collections import deque
 from typing import Any, Callable
 
 from monarch import config
 from monarch.errors import TransportError
+from monarch.runtime.actors.hosting import HostedActor
 from monarch.runtime.control import codec
+from monarch.runtime.control.client import set_client
 from monarch.runtime.control.commands import (CONTROLLER, Call, Forward, Heartbeat, InstallProgram, InvokeProgram,
                                               Reply, RunProgram, ShipTelemetry, SpawnActor, Stop, Supervise)
-from monarch.runtime.control.client import set_client
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.heartbeat import Sender
-from monarch.runtime.actors.hosting import HostedActor
-from monarch.shape import Shape
 from monarch.runtime.control.spin import AdaptiveSpin
 from monarch.runtime.telemetry.events import (BATCH, MEMORY_EVERY_S, RECORDER, Events, cuda_bytes, now_us,
                                               record_logging, rss_bytes)
+from monarch.shape import Shape
 
 
 class Worker:

@@ -7,18 +7,18 @@ running, collectives still take part (with zeros) so that no peer hangs, and the
 from __future__ import annotations
 
 import traceback
-from math import prod
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 from typing import Any, Protocol
 
 import torch
 
 from monarch import config
 from monarch.errors import RemoteError
+from monarch.program.instr import Buf, Comm, Free, Instr, Local, Start, Wait
 from monarch.runtime.engine.kernels import KERNELS
 from monarch.runtime.telemetry.events import RECORDER, now_us
-from monarch.program.instr import Buf, Comm, Free, Instr, Local, Start, Wait
 
 
 class Transport(Protocol):

@@ -11,15 +11,14 @@ from typing import Any
 import torch
 
 from monarch import config
-
+from monarch.program.instr import Free, Instr
+from monarch.program.program import assemble
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import InstallProgram, InvokeProgram, RunProgram
 from monarch.runtime.engine.engine import Engine
-from monarch.shape import Shape, group_coords
-from monarch.runtime.telemetry.events import RECORDER, now_us
 from monarch.runtime.engine.transport.mpi import MpiTransport
-from monarch.program.instr import Free, Instr
-from monarch.program.program import assemble
+from monarch.runtime.telemetry.events import RECORDER, now_us
+from monarch.shape import Shape, group_coords
 
 
 class TensorService:

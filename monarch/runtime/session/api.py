@@ -16,15 +16,15 @@ from torch.overrides import TorchFunctionMode
 
 from monarch.errors import ShardingError
 from monarch.graph.partition import outline, partition
-from monarch.graph.rules.table import Emit
 from monarch.graph.rules.common import random_piece
-from monarch.runtime.engine import kernels
+from monarch.graph.rules.table import Emit
+from monarch.program.instr import Buf, Local
 from monarch.runtime.control import codec
 from monarch.runtime.control.client import register_tensor_api
-from monarch.runtime.session import torch_state
 from monarch.runtime.control.futures import Future
+from monarch.runtime.engine import kernels
+from monarch.runtime.session import torch_state
 from monarch.runtime.session.session import Session, all_sessions, session_of
-from monarch.program.instr import Buf, Local
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
 from monarch.tensor.spec import Spec

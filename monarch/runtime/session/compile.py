@@ -27,10 +27,10 @@ from monarch.errors import TraceError
 from monarch.graph.partition import partition
 from monarch.graph.schedule import overlap
 from monarch.graph.trace import SCALARS, Capture, Tracer
-from monarch.runtime.control.commands import InvokeProgram
-from monarch.runtime.session.session import Session, all_sessions, session_of
 from monarch.runtime.actors.proc_mesh import ProcMesh
+from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.session.local import LocalMesh
+from monarch.runtime.session.session import Session, all_sessions, session_of
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Replicate
 from monarch.tensor.random import next_seed

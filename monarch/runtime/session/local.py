@@ -10,15 +10,15 @@ from __future__ import annotations
 from typing import cast
 
 from monarch.errors import MeshError
+from monarch.program.collectives import RUN
+from monarch.program.instr import Comm, Free, Start
 from monarch.program.program import RankProgram
 from monarch.runtime.control import codec
-from monarch.program.collectives import RUN
-from monarch.runtime.engine.engine import Engine
 from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.control.futures import CallState
+from monarch.runtime.engine.engine import Engine
 from monarch.runtime.session.session import Fetch, Session
 from monarch.shape import MeshView, Shape, group_coords
-from monarch.program.instr import Comm, Free, Start
 
 
 def _bucket(engines: list[Engine], programs: tuple[RankProgram, ...], i: int, sizes: tuple[int, ...],

@@ -9,9 +9,9 @@ the same way, once, under a program id.
 """
 from __future__ import annotations
 
+from monarch.program.program import RankProgram, share
 from monarch.runtime.control.commands import InstallProgram, RunProgram
 from monarch.shape import Shape
-from monarch.program.program import RankProgram, share
 
 
 def _ranks(programs: tuple[RankProgram, ...], view: Shape) -> list[int]:

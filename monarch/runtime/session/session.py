@@ -16,18 +16,18 @@ from typing import Any, Protocol
 import torch
 
 from monarch import config
+from monarch.errors import TraceError, TransportError
 from monarch.graph.decompose import decomposition
 from monarch.graph.partition import partition
-from monarch.program.program import RankProgram
 from monarch.graph.rules.table import writes_first_arg
 from monarch.graph.trace import TracedGraph, Tracer
-from monarch.errors import TraceError, TransportError
+from monarch.program.instr import Comm, Local, Start
+from monarch.program.program import RankProgram
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.control.controller import controller
 from monarch.runtime.control.futures import CallState, Future, Waiter
 from monarch.runtime.session.lower import lower, lower_install
-from monarch.program.instr import Comm, Local, Start
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
 from monarch.tensor.spec import Spec

@@ -23,7 +23,6 @@ from torch.optim import Optimizer
 from monarch.errors import MonarchError, ShardingError
 from monarch.tensor.meshtensor import MeshTensor
 
-
 Distribute = Callable[[torch.Tensor, Any, Any], MeshTensor]  # monarch.distribute_tensor
 _distribute: list[Distribute] = []  # handed in by the tensor API, which sits above this module
 

@@ -16,9 +16,8 @@ import numpy as np
 
 from monarch import config
 from monarch.errors import MonarchError
-from monarch.runtime.telemetry.otel import Exporter, from_environment
 from monarch.runtime.telemetry.events import TABLES, WORKER_TABLES, Events, width
-
+from monarch.runtime.telemetry.otel import Exporter, from_environment
 
 LOAD_AT = 50_000  # pending events that are loaded into the database without waiting for a query
 COMPACT_AT = 50_000  # dropped rows after which a CHECKPOINT hands their memory back (DELETE only marks them)

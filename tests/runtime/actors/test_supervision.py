@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import owned_processes, run_script
+
 from monarch.actor import Actor, MeshFailure, endpoint, this_host
 from monarch.errors import SpawnError, SupervisionError
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import owned_processes
+
 from monarch.actor import Actor, endpoint, this_host
 from monarch.errors import SupervisionError
 from monarch.runtime.control.controller import controller

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import owned_processes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import monarch
-from conftest import owned_processes
 from monarch.actor import Actor, ActorMesh, ProcMesh, endpoint, this_host
 from monarch.errors import MonarchError, SpawnError, TransportError
 from monarch.runtime.control import futures

@@ -14,11 +14,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import tensor_shapes
 
 import monarch
 from monarch import MeshTensor, Partial, Replicate, Shard
 from monarch.actor import ProcMesh
-from strategies import tensor_shapes
 
 T = 30.0  # seconds any single wait may take
 DP = [{"dp": Shard(0)}]

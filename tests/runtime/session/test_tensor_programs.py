@@ -14,11 +14,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import Program, programs, reference_mesh, run_program, tensor_meshes
 
 import monarch
 from monarch.actor import ProcMesh, this_host
 from monarch.runtime.session.session import session_of
-from strategies import Program, programs, reference_mesh, run_program, tensor_meshes
 
 pytestmark = pytest.mark.filterwarnings("ignore:monarch. .* has no sharding rule")
 

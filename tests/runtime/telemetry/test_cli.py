@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_script
 from rich.console import Console
 from textual.widgets import Static
 
 from monarch.runtime.telemetry.admin import TOKEN_BYTES, announce_dir, recv_json, send_json
 from monarch.runtime.telemetry.top import SqlPrompt, Top
-from conftest import run_script
 
 T = 60
 

@@ -192,12 +192,13 @@ def test_debug_prints_the_events_before_a_failure(procs: ProcMesh, capsys: pytes
 
 
 def test_events_become_opentelemetry_spans(procs: ProcMesh) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     from monarch.runtime.telemetry.store import STORE
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
