@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from monarch.errors import ShardingError
+from monarch.errors import ShardingError, TransportError
 
 
 def chunk(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
@@ -91,8 +91,13 @@ def _check_planned(name: str, k: int, o: Any, shape: tuple[int, ...], dtype: tor
                          "it gives meta ones (do not branch on x.is_meta or on the values)")
 
 
+def refused(message: str) -> torch.Tensor:
+    """Stands for a value the controller did not send (over MONARCH_MAX_FRAME): using it raises why."""
+    raise TransportError(message)
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
     "monarch::chunk": chunk, "monarch::partialize": partialize, "monarch::constant": constant,
     "monarch::random": random, "monarch::arange": arange,
-    "monarch::local_map": local_map, "monarch::matmul": torch.matmul,
+    "monarch::local_map": local_map, "monarch::matmul": torch.matmul, "monarch::refused": refused,
 }

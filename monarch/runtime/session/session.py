@@ -200,7 +200,7 @@ class RemoteRunner:
         ins = programs[0].instrs[0]
         assert isinstance(ins, Local), f"{ins!r} alone is over MONARCH_MAX_FRAME={limit}"
         refused.append(codec.too_large(f"the data of {ins.op} (a tensor of this program for one rank)", big, limit))
-        refusal = Local("aten::_assert_scalar", (False, str(refused[-1])), {}, ins.outs)
+        refusal = Local("monarch::refused", (str(refused[-1]),), {}, ins.outs)
         return self._frames(tuple(replace(p, instrs=(refusal,)) for p in programs), call_id, fetch, refused)
 
     def invoke(self, call: InvokeProgram, install: tuple[RankProgram, ...] | None) -> None:
