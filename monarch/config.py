@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+WORKER_TOKEN = "MONARCH_WORKER_TOKEN"  # the mesh token of workers on other hosts (launch.py sets it)
+
 
 @dataclass(frozen=True)
 class Flag:
@@ -44,7 +46,7 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_TELEMETRY_RETAIN", "100000", "telemetry rows kept per table on the controller; the oldest "
          "are dropped beyond it (0: keep all)"),
     Flag("MONARCH_MAX_LOCAL_PROCS", "", "most worker processes of one local mesh (default: 16 per core)"),
-    Flag("MONARCH_WORKER_TOKEN", "", "set by the controller, not by users: the mesh token (hex) of workers on "
+    Flag(WORKER_TOKEN, "", "set by the controller, not by users: the mesh token (hex) of workers on "
          "other hosts than the controller's; read once at start-up and removed"),
 ]}
 
@@ -172,8 +174,8 @@ def max_local_procs() -> int:
 
 def take_worker_token() -> bytes:
     """The mesh token from MONARCH_WORKER_TOKEN, removed from this process's environment as it is read."""
-    token = _parse("MONARCH_WORKER_TOKEN", bytes.fromhex)
-    os.environ.pop("MONARCH_WORKER_TOKEN", None)
+    token = _parse(WORKER_TOKEN, bytes.fromhex)
+    os.environ.pop(WORKER_TOKEN, None)
     return token
 
 

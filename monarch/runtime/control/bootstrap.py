@@ -24,7 +24,6 @@ from monarch.runtime.control.codec import ROLE_MONITOR, ROLE_WORKER, Header, enc
 from monarch.runtime.control.commands import Hello, ProcExit
 from monarch.shape import Shape
 
-TOKEN_ENV = "MONARCH_WORKER_TOKEN"  # ranks on other hosts get the token there, for now (config.take_worker_token)
 _RANK_ENVS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")  # declared in config.EXTERNAL
 OWNER_CHECK_S = 1.0  # how often a monitor looks for its controller while the worker is quiet
 

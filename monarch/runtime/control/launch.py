@@ -18,7 +18,7 @@ from pathlib import Path
 
 from monarch import config
 from monarch.errors import SpawnError
-from monarch.runtime.control.bootstrap import TOKEN_ENV, token_file
+from monarch.runtime.control.bootstrap import token_file
 from monarch.shape import Shape
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -59,11 +59,11 @@ class TokenHandover:
     start, and `remove()` deletes whatever is left once the mesh has settled, failed to spawn or stopped,
     so the token is in no process's environment (/proc/<pid>/environ) and, after start-up, on no disk.
     Ranks on other hosts cannot read this host's files: for a mesh with other hosts the token goes in
-    the environment (TOKEN_ENV) of mpiexec and the workers, until the cluster launch hands it over."""
+    the environment (config.WORKER_TOKEN) of mpiexec and the workers, until the cluster launch hands it over."""
 
     def __init__(self, token: bytes, ranks: int, local: bool) -> None:
         self.dir = tempfile.mkdtemp(prefix="monarch-token-") if local else ""
-        self.env = {} if local else {TOKEN_ENV: token.hex()}
+        self.env = {} if local else {config.WORKER_TOKEN: token.hex()}
         for r in range(ranks if local else 0):
             fd = os.open(token_file(self.dir, r), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -84,7 +84,7 @@ def worker_env(extra: dict[str, str] | None, handover: TokenHandover) -> dict[st
     workers import from the same paths as the controller."""
     env = dict(os.environ)
     env.update(extra or {})
-    env.pop(TOKEN_ENV, None)
+    env.pop(config.WORKER_TOKEN, None)
     env.update(handover.env)
     env["PYTHONUNBUFFERED"] = "1"
     ours = [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]

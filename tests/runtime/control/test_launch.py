@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
+from monarch import config
 from monarch.actor import HostMesh, this_host
 from monarch.errors import MeshError
 from monarch.runtime.control import launch
-from monarch.runtime.control.bootstrap import TOKEN_ENV
 from monarch.shape import Shape
 
 
@@ -37,6 +37,6 @@ def test_worker_env_carries_our_import_path_and_no_token_on_this_host() -> None:
     handover = launch.TokenHandover(b"\x01\x02", 1, local=True)
     env = launch.worker_env({"PYTHONPATH": "/extra", "FOO": "1"}, handover)
     handover.remove()
-    assert TOKEN_ENV not in env and env["FOO"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+    assert config.WORKER_TOKEN not in env and env["FOO"] == "1" and env["PYTHONUNBUFFERED"] == "1"
     path = env["PYTHONPATH"].split(":")
     assert path[0] == "/extra" and launch._PACKAGE_ROOT in path

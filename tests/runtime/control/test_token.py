@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from monarch import config
 from monarch.actor import Actor, endpoint, this_host
 from monarch.errors import SpawnError
 from monarch.runtime.control import bootstrap, launch
-from monarch.runtime.control.bootstrap import TOKEN_ENV
 
 T = 30
 
@@ -58,7 +58,7 @@ def test_no_process_of_the_job_has_the_token_in_its_environment(private_tmp: Pat
         for pid in job:
             environ = Path(f"/proc/{pid}/environ").read_bytes()
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            assert TOKEN_ENV.encode() not in environ and token not in environ and token not in cmdline, pid
+            assert config.WORKER_TOKEN.encode() not in environ and token not in environ and token not in cmdline, pid
         args = Path(f"/proc/{procs.pids[0]}/cmdline").read_bytes().decode().split("\0")
         token_dir = Path(args[args.index("--token-dir") + 1])
         assert token_dir.parent == private_tmp and not token_dir.exists()  # each worker took its file, then
@@ -93,5 +93,5 @@ def test_other_hosts_still_get_the_token_by_environment() -> None:
     handover = launch.TokenHandover(b"\x01\x02", 8, local=False)
     assert handover.args == [] and handover.dir == ""
     env = launch.worker_env({"FOO": "1"}, handover)
-    assert env[TOKEN_ENV] == "0102" and env["FOO"] == "1"
-    assert TOKEN_ENV not in launch.worker_env({}, launch.TokenHandover(b"\x01", 1, local=True))
+    assert env[config.WORKER_TOKEN] == "0102" and env["FOO"] == "1"
+    assert config.WORKER_TOKEN not in launch.worker_env({}, launch.TokenHandover(b"\x01", 1, local=True))
