@@ -1,0 +1,1 @@
+"""Running beyond one host: ssh and Slurm launch, attach mode, Kubernetes manifests, workspace sync."""
