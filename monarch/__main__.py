@@ -1,9 +1,15 @@
-"""`python -m monarch` (also the `monarch` command): look into a running controller from a terminal.
+"""`python -m monarch` (also the `monarch` command): look into a running controller, write Kubernetes manifests.
 
   monarch query "SELECT ..."      run SQL over its telemetry and print a table
   monarch top [--once]            a live view: hosts, procs and actors, message rates, busy time,
                                   memory, the latest failures, and a SQL prompt (runtime/telemetry/top.py)
 Both attach to the newest controller of this user on this machine (or `--pid`), see runtime/admin.py.
+
+  monarch k8s manifest --name N --replicas R --image I [--gpus G] [--port P] [--namespace NS]
+                       [--secret-name S] [--create-secret] [--python PY] [--addresses]
+                                  print YAML for `kubectl apply -f -`: a headless Service and a StatefulSet
+                                  of attach-mode workers (cluster/k8s.py); on stderr the addresses to pass
+                                  to attach_to_workers (`--addresses`: only those, on stdout)
 """
 from __future__ import annotations
 
@@ -11,6 +17,9 @@ import argparse
 import sys
 
 from rich.console import Console
+
+from monarch.cluster import k8s
+from monarch.errors import MonarchError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--interval", type=float, default=1.0)
     for s in (q, t):
         s.add_argument("--pid", type=int, help="the controller's pid (default: the newest)")
+    _add_k8s(sub)
     a = p.parse_args(argv)
+    if a.cmd == "k8s":
+        return _k8s(a)
     from monarch.runtime.telemetry import top
     try:
         if a.cmd == "query":
@@ -41,6 +53,48 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
+    return 0
+
+
+def _add_k8s(sub: argparse._SubParsersAction) -> None:
+    """`monarch k8s manifest ...`: the arguments of monarch.cluster.k8s.manifest."""
+    k = sub.add_parser("k8s", help="Kubernetes manifests for attach-mode workers")
+    m = k.add_subparsers(dest="k8s_cmd", required=True).add_parser(
+        "manifest", help="print a headless Service and a StatefulSet of attach-mode workers as YAML",
+        description=k8s.NETWORK_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("--name", required=True, help="names the Service, the StatefulSet and (with an index) the pods")
+    m.add_argument("--replicas", type=int, required=True, help="worker pods")
+    m.add_argument("--image", required=True, help="a container image with monarch installed")
+    m.add_argument("--gpus", type=int, default=0, help="GPUs per pod (nvidia.com/gpu limit; default 0)")
+    m.add_argument("--port", type=int, default=k8s.DEFAULT_PORT, help=f"the agent's port (default {k8s.DEFAULT_PORT})")
+    m.add_argument("--namespace", default="default")
+    m.add_argument("--secret-name", help="the Secret holding the shared secret under key 'secret' "
+                   "(default: NAME-attach)")
+    m.add_argument("--create-secret", action="store_true", help="also emit that Secret, with a new random secret")
+    m.add_argument("--python", default="python", help="the interpreter in the image (default: python)")
+    m.add_argument("--addresses", action="store_true", help="print only the workers' addresses, one a line")
+
+
+def _k8s(a: argparse.Namespace) -> int:
+    try:
+        docs = k8s.manifest(a.name, a.replicas, a.image, a.gpus, a.port, a.namespace, a.secret_name,
+                            create_secret=a.create_secret, python=a.python)
+    except MonarchError as e:
+        print(f"monarch: {e}", file=sys.stderr)
+        return 2
+    addresses = k8s.worker_addresses(a.name, a.replicas, a.namespace, a.port)
+    if a.addresses:
+        print("\n".join(addresses))
+        return 0
+    print(k8s.to_yaml(docs), end="")
+    secret, ns = a.secret_name or k8s.default_secret_name(a.name), a.namespace
+    if a.create_secret:
+        print(f"monarch: the controller's secret: kubectl -n {ns} get secret {secret} -o jsonpath="
+              f"'{{.data.{k8s.SECRET_KEY}}}' | base64 -d", file=sys.stderr)
+    else:
+        print(f"monarch: the pods need the Secret {secret!r}: kubectl -n {ns} create secret generic {secret} "
+              f"--from-literal={k8s.SECRET_KEY}=\"$MONARCH_ATTACH_SECRET\"", file=sys.stderr)
+    print(f"monarch: attach with workers={addresses!r}", file=sys.stderr)
     return 0
 
 
