@@ -8,7 +8,8 @@ from __future__ import annotations
 from monarch.errors import ActorError, SupervisionError
 from monarch.runtime.actors.actor_mesh import ActorMesh, EndpointRef
 from monarch.runtime.actors.endpoint import Actor, Endpoint, endpoint
-from monarch.runtime.actors.proc_mesh import HostMesh, ProcMesh, this_host
+from monarch.runtime.actors.host_mesh import HostMesh, this_host
+from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.control.client import current_rank, current_size
 from monarch.runtime.control.commands import MeshFailure
 from monarch.runtime.control.futures import Future, ValueMesh

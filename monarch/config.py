@@ -25,7 +25,12 @@ class Flag:
 
 FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_DEBUG", "0", "1 logs control-plane events (spawns, connections, failures) to stderr"),
-    Flag("MONARCH_HOST", "127.0.0.1", "address the controller's control socket binds to"),
+    Flag("MONARCH_HOST", "", "address the controller's control socket binds to (default: loopback for a mesh on "
+         "this host; for other hosts, this host's address on the route to the first of them)"),
+    Flag("MONARCH_ADVERTISE", "", "address workers are told to connect back to (default: the bound address, or "
+         "the route's address when MONARCH_HOST is a wildcard such as 0.0.0.0)"),
+    Flag("MONARCH_SSH", "ssh", "command Hydra starts processes on other hosts with, e.g. `ssh -F ~/cluster.conf`"),
+    Flag("MONARCH_IFACE", "", "network interface MPICH's Hydra uses (default: the one of the advertised address)"),
     Flag("MONARCH_MPIEXEC", "", "path of the mpiexec to launch workers with (default: the venv's MPICH)"),
     Flag("MONARCH_SPAWN_TIMEOUT", "60", "seconds to wait for every worker to connect back"),
     Flag("MONARCH_MAX_FRAME", str(1 << 30), "largest control-plane frame in bytes"),
@@ -46,6 +51,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_TELEMETRY_RETAIN", "100000", "telemetry rows kept per table on the controller; the oldest "
          "are dropped beyond it (0: keep all)"),
     Flag("MONARCH_MAX_LOCAL_PROCS", "", "most worker processes of one local mesh (default: 16 per core)"),
+    Flag("MONARCH_WORKSPACE_DIR", "~/.cache/monarch/workspaces", "where workers keep the copies sync_workspace "
+         "makes: <dir>/<hostname>/<name>-<hash of the source path>"),
     Flag(WORKER_TOKEN, "", "set by the controller, not by users: the mesh token (hex) of workers on "
          "other hosts than the controller's; read once at start-up and removed"),
 ]}
@@ -56,6 +63,8 @@ EXTERNAL: dict[str, Flag] = {f.name: f for f in [
     Flag("PMIX_RANK", "", "this worker's rank, from a PMIx process manager"),
     Flag("OMPI_COMM_WORLD_RANK", "", "this worker's rank, from Open MPI's mpirun"),
     Flag("SLURM_PROCID", "", "this worker's rank, from Slurm's srun"),
+    Flag("SLURM_JOB_ID", "", "the Slurm allocation this process runs in (salloc, sbatch)"),
+    Flag("SLURM_JOB_NODELIST", "", "the nodes of that allocation, e.g. node[1-4]"),
     Flag("MPI_LOCALNRANKS", "1", "ranks of the MPI job on this host (MPICH's Hydra), to share its cores"),
     Flag("XDG_RUNTIME_DIR", "", "where the admin endpoint announces itself (default: the temp dir)"),
     Flag("OTEL_EXPORTER_OTLP_ENDPOINT", "", "set: telemetry is exported there with OpenTelemetry (otel.py)"),
@@ -105,6 +114,18 @@ def debug() -> bool:
 
 def host() -> str:
     return _str("MONARCH_HOST")
+
+
+def advertise() -> str:
+    return _str("MONARCH_ADVERTISE")
+
+
+def ssh() -> str:
+    return _str("MONARCH_SSH")
+
+
+def iface() -> str:
+    return _str("MONARCH_IFACE")
 
 
 def mpiexec() -> str:
@@ -170,6 +191,11 @@ def telemetry_retain() -> int:
 def max_local_procs() -> int:
     """MONARCH_MAX_LOCAL_PROCS, else 16 worker processes per core of this host."""
     return _int("MONARCH_MAX_LOCAL_PROCS") if _str("MONARCH_MAX_LOCAL_PROCS").strip() else 16 * (os.cpu_count() or 1)
+
+
+def workspace_dir() -> str:
+    """MONARCH_WORKSPACE_DIR with `~` expanded (read on the workers, which keep the copies)."""
+    return os.path.expanduser(_str("MONARCH_WORKSPACE_DIR"))
 
 
 def take_worker_token() -> bytes:

@@ -22,7 +22,7 @@ MAX_SHARE = 0.30  # no folder holds more of the package's lines directly
 BASE = ("monarch.errors", "monarch.config")  # what every layer may import
 CORE = ("monarch.tensor", "monarch.program", "monarch.shape")  # torch, the standard library, BASE, each other
 WORKER_SIDE = ("monarch.runtime.control", "monarch.runtime.actors", "monarch.runtime.engine",
-               "monarch.runtime.telemetry")  # never the compiler nor the controller's tensor session
+               "monarch.runtime.telemetry", "monarch.cluster")  # never the compiler nor the tensor session
 COMPILER_USERS = ("monarch.graph", "monarch.runtime.session", "monarch", "monarch.parallel")  # may import graph
 LAZY_DOWNWARD = {("monarch.runtime.control.worker", "monarch.runtime.engine.service"),
                  ("monarch.__main__", "monarch.runtime.telemetry.top")}  # lazy imports that point down a layer

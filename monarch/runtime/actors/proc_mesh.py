@@ -1,7 +1,8 @@
-"""Host and proc meshes on the controller: `this_host()`, `HostMesh.spawn_procs`, `ProcMesh`.
+"""Proc meshes on the controller (`ProcMesh`), and `monarch.sql` / `monarch.debug` over their telemetry.
 
-A ProcMesh is a named-dim view of one MPI job. Its dims are the `per_host` dims, with a leading
-`hosts` dim when the host mesh has more than one host. Stopping any view stops the whole job.
+A ProcMesh is a named-dim view of one MPI job (spawned by a HostMesh, host_mesh.py). Its dims are the
+`per_host` dims, with a leading `hosts` dim when the host mesh has more than one host. Stopping any view
+stops the whole job.
 """
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ import logging
 import os
 from typing import Any
 
-from monarch import config
-from monarch.errors import MeshError, SpawnError, SupervisionError
+from monarch.errors import MeshError, SupervisionError
 from monarch.runtime.actors.actor_mesh import ActorMesh
 from monarch.runtime.actors.endpoint import endpoints_of
-from monarch.runtime.control import codec, launch
+from monarch.runtime.control import codec
 from monarch.runtime.control.client import tensor_api
 from monarch.runtime.control.commands import SpawnActor
 from monarch.runtime.control.conn import Mesh
@@ -23,50 +23,6 @@ from monarch.runtime.telemetry.store import STORE, Rows
 from monarch.shape import MeshView, Shape
 
 log = logging.getLogger("monarch")
-
-
-class HostMesh(MeshView):
-    """Hosts that can run workers. `this_host()` is one host whose dim is dropped from proc meshes."""
-
-    def __init__(self, hosts: list[str]) -> None:
-        if not hosts:
-            raise MeshError("a HostMesh needs at least one host")
-        self._hosts = list(hosts)
-        self._shape = Shape.row_major(("hosts",), (len(hosts),))
-
-    def _with_shape(self, shape: Shape) -> HostMesh:
-        return HostMesh([self._hosts[r] for r in shape.ranks()])
-
-    def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str = "procs",
-                    env: dict[str, str] | None = None, host: str | None = None) -> ProcMesh:
-        """Start one worker per point of `per_host` on every host, as one MPI job.
-
-        `env` adds environment variables for the workers; `host` is the address the controller's
-        control socket binds to for this mesh (default MONARCH_HOST, loopback); set it to an address
-        the other hosts can reach when the mesh spans hosts.
-        """
-        per_host = dict(per_host or {"gpus": 1})
-        if "hosts" in per_host:
-            raise MeshError("per_host may not name a dim 'hosts'; that dim is the host mesh's own")
-        labels, sizes = tuple(per_host), tuple(int(n) for n in per_host.values())
-        if len(self._hosts) > 1:
-            labels, sizes = ("hosts", *labels), (len(self._hosts), *sizes)
-        shape = Shape.row_major(labels, sizes)
-        _check_local_size(shape, self._hosts)
-        mesh = controller().spawn(name, shape, self._hosts, env, host)
-        return ProcMesh(mesh, shape)
-
-    def __repr__(self) -> str:
-        return f"<HostMesh {self._hosts}>"
-
-
-def _check_local_size(shape: Shape, hosts: list[str]) -> None:
-    """Refuse a mesh on this host alone with more processes than MONARCH_MAX_LOCAL_PROCS, before mpiexec."""
-    limit = config.max_local_procs()
-    if launch.all_local(hosts) and len(shape) > limit:
-        raise SpawnError(f"a mesh of {len(shape)} worker processes ({shape.extent}) on this host is over the "
-                         f"limit of {limit} (MONARCH_MAX_LOCAL_PROCS, default 16 per core; this host has "
-                         f"{os.cpu_count()} cores): spawn fewer processes, or raise MONARCH_MAX_LOCAL_PROCS")
 
 
 def sql(query: str, timeout: float = 30.0) -> Rows:
@@ -94,11 +50,6 @@ def debug(n: int = 20, rank: int | None = None, timeout: float = 30.0) -> Rows:
     for t, kind, what in rows:
         print(f"  {t}  {kind:10}  {what}")
     return rows
-
-
-def this_host() -> HostMesh:
-    """The machine the controller runs on."""
-    return HostMesh(["localhost"])
 
 
 class ProcMesh(MeshView):
@@ -134,6 +85,22 @@ class ProcMesh(MeshView):
     def stop(self) -> None:
         """Stop every worker of the job (idempotent)."""
         controller().stop(self._mesh)
+
+    @property
+    def running(self) -> bool:
+        """Neither stopped nor failed."""
+        return self._mesh.live
+
+    @property
+    def hostnames(self) -> list[str]:
+        """The host of each rank of this view, as the rank reported it, in row-major order."""
+        return [self._mesh.hosts[r] for r in self._shape.ranks()]
+
+    def sync_workspace(self, path: str | os.PathLike[str], *, reload: bool = True) -> Any:
+        """Copy directory `path` to the hosts of this mesh, first on the workers' `sys.path`, reloading the
+        changed modules (monarch/cluster/workspace.py); returns a SyncReport."""
+        from monarch.cluster.workspace import sync_workspace
+        return sync_workspace(self, path, reload=reload)
 
     @property
     def pids(self) -> list[int]:

@@ -126,13 +126,15 @@ class MeshFailure:
     coords: str
     pid: int
     status: str
+    host: str = ""  # the rank's host, for a mesh that spans hosts; for the launcher, its program
 
     @property
     def who(self) -> str:
-        """`worker rank 1 (gpus=1)` or `the launcher mpiexec`."""
+        """`worker rank 1 (gpus=1)`, `worker rank 3 (hosts=1,gpus=1) on host node2` or `the launcher mpiexec`."""
         if self.rank == LAUNCHER:
-            return "the launcher mpiexec"
-        return f"worker rank {self.rank} ({self.coords})" if self.coords else f"worker rank {self.rank}"
+            return f"the launcher {self.host or 'mpiexec'}"
+        who = f"worker rank {self.rank} ({self.coords})" if self.coords else f"worker rank {self.rank}"
+        return f"{who} on host {self.host}" if self.host else who
 
     def message(self) -> str:
         return f"mesh {self.mesh!r}: {self.who}, pid {self.pid}, {self.status}"

@@ -7,6 +7,8 @@ The controller (controller.py) creates and drives them; they hold state, queue o
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import subprocess
 import threading
@@ -18,7 +20,7 @@ from typing import Any, Protocol
 from monarch import config
 from monarch.errors import SupervisionError, TransportError
 from monarch.runtime.control import codec
-from monarch.runtime.control.commands import Call, Reply
+from monarch.runtime.control.commands import LAUNCHER, Call, Reply
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.poller import Poller
 from monarch.runtime.telemetry.events import RECORDER, error_text, now_us
@@ -131,13 +133,17 @@ class TelemetrySink:
 class Mesh:
     """Controller-side record of one MPI job: its connections, pending calls and fate."""
 
-    def __init__(self, mesh_id: int, name: str, shape: Shape, token: bytes) -> None:
+    def __init__(self, mesh_id: int, name: str, shape: Shape, token: bytes, hosts: list[str]) -> None:
         self.id, self.name, self.shape, self.token = mesh_id, name, shape, token
+        self.local = hosts == ["localhost"]
+        per_host = len(shape) // len(hosts)
+        self.hosts = [hosts[r // per_host] for r in range(len(shape))]  # as planned, then as each rank says
         self.conns: list[Conn | None] = [None] * len(shape)
         self.pids: list[int] = [0] * len(shape)
         self.pending: dict[tuple[int, int], CallState | ForwardSink | TelemetrySink] = {}
         self.actors: set[str] = set()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.kill_signal = signal.SIGKILL  # what the job gets when the mesh fails (the launcher's choice)
         self.settled = threading.Event()  # every worker said hello, or the mesh failed
         self.failure: SupervisionError | None = None
         self.stopping = False
@@ -146,6 +152,12 @@ class Mesh:
         self.frames = 0  # frames sent to its workers (one per worker per flush or compiled step)
         self.heartbeat = config.heartbeat_timeout()  # seconds a worker may be silent (0: never fails)
         self.max_frame = config.max_frame()  # its workers inherit the flag: the largest frame they accept
+
+    def host_of(self, rank: int) -> str:
+        """The host of `rank` where the mesh spans hosts (else ""); for the launcher, its program."""
+        if rank == LAUNCHER:
+            return os.path.basename(self.proc.args[0]) if self.proc is not None else ""
+        return "" if self.local or not 0 <= rank < len(self.hosts) else self.hosts[rank]
 
     def coords(self, rank: int) -> str:
         return self.shape.point(rank).label() if 0 <= rank < len(self.shape) else "?"

@@ -54,7 +54,7 @@ class Controller:
         self._poller = Poller(self._expire)
         self._listeners: dict[str, str] = {}  # bind host -> "host:port"
         self._next_export = 0.0
-        self.address = self.listen(config.host())
+        self.address = self.listen(config.host() or "127.0.0.1")
         if config.debug():
             logging.basicConfig()
             log.setLevel(logging.DEBUG)
@@ -145,17 +145,18 @@ class Controller:
             self._listeners[host] = "%s:%d" % listener.getsockname()[:2]
         return self._listeners[host]
 
-    def spawn(self, name: str, shape: Shape, hosts: list[str], env: dict[str, str] | None,
+    def spawn(self, name: str, shape: Shape, launcher: launch.Launcher, env: dict[str, str] | None,
               bind: str | None = None) -> Mesh:
-        mesh = Mesh(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES))
-        address = self.listen(bind) if bind else self.address
-        cmd = launch.command(launch.find_mpiexec(), shape, hosts, address, mesh.id)
-        handover = launch.TokenHandover(mesh.token, len(shape), launch.all_local(hosts))
-        cmd += handover.args
+        mesh = Mesh(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES), launcher.hosts)
+        mesh.kill_signal = launcher.kill_signal
+        bind, advertise = launch.addresses(launcher, bind)
+        control = f"{advertise}:{self.listen(bind).rsplit(':', 1)[1]}"
+        handover = launch.TokenHandover(mesh.token, len(shape), launcher.local)
+        cmd = launcher.command(shape, launch.worker_command(shape, control, mesh.id) + handover.args, advertise)
         log.debug("spawning mesh %r (id %d): %s", name, mesh.id, " ".join(cmd))
         self.meshes[mesh.id] = mesh
         try:
-            mesh.proc = launch.start(cmd, launch.worker_env(env, handover))
+            mesh.proc = launcher.start(cmd, launch.worker_env(env, handover))
             assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
             out, err = mesh.proc.stdout, mesh.proc.stderr
             self._poller.watch(out.fileno(), lambda: self._output(mesh, out, sys.stdout))
@@ -334,6 +335,7 @@ class Controller:
         mesh, header = conn.mesh, conn.header
         assert mesh is not None and header is not None
         mesh.pids[header.rank] = msg.pid
+        mesh.hosts[header.rank] = msg.host
         RECORDER.add("procs", (header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
         if mesh.heartbeat > 0:
             with suppress(OSError):  # the peer is gone: its reader sees the EOF
@@ -385,7 +387,7 @@ class Controller:
         mesh.lost.clear()
         if not mesh.live:
             return
-        failure = MeshFailure(mesh.name, rank, mesh.coords(rank) if rank >= 0 else "", pid, status)
+        failure = MeshFailure(mesh.name, rank, mesh.coords(rank) if rank >= 0 else "", pid, status, mesh.host_of(rank))
         mesh.failure = SupervisionError(failure.message() + "; spawn a new proc mesh to continue (the "
                                         "failures and logs tables of monarch.sql() hold what led to it)",
                                         rank=rank, coords=failure.coords, status=status)
@@ -396,7 +398,7 @@ class Controller:
         mesh.fail_pending(mesh.failure)
         log.warning("monarch: %s", failure.message())
         if mesh.proc is not None:
-            launch.kill_group(mesh.proc)
+            launch.kill_group(mesh.proc, mesh.kill_signal)
         frame = codec.encode_frame([Supervise(failure)])
         for other in list(self.meshes.values()):
             if other.live:

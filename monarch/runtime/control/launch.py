@@ -1,8 +1,9 @@
 """Starting and stopping the MPI job that hosts a proc mesh (controller side).
 
-Finds the pip-installed MPICH `mpiexec` (never a system one of another MPI), builds the command line,
-hands the mesh token over (`TokenHandover`), starts the job in its own process group with the worker
-environment, and tears the group down.
+A `Launcher` says how a mesh's ranks start: `LocalLauncher` forks them on this host with the pip-installed
+MPICH `mpiexec` (never a system one of another MPI); monarch/cluster has the ssh, Slurm and attach-mode
+ones. This module also picks the control socket's bind and advertised addresses, hands the mesh token over
+(`TokenHandover`), starts the job in its own process group with the worker environment, and tears it down.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sysconfig
 import tempfile
 from contextlib import suppress
 from pathlib import Path
+from typing import Protocol
 
 from monarch import config
 from monarch.errors import SpawnError
@@ -36,21 +38,62 @@ def find_mpiexec() -> str:
                      "(pip install mpich) or set MONARCH_MPIEXEC to the mpiexec of the MPI that mpi4py uses")
 
 
-def all_local(hosts: list[str]) -> bool:
-    """Whether every host of a mesh is this host (the `this_host()` case)."""
-    return all(h == "localhost" for h in hosts)
+WILDCARDS = ("", "0.0.0.0", "::")
 
 
-def command(mpiexec: str, shape: Shape, hosts: list[str], control: str, mesh_id: int) -> list[str]:
-    """The mpiexec command line; one rank per point of `shape`, spread evenly over `hosts`."""
+class Launcher(Protocol):
+    """How the ranks of a mesh start: one rank per point of the shape, spread evenly over `hosts`
+    (host i runs ranks i*k .. i*k+k-1), each running the `worker` command line."""
+    hosts: list[str]
+    local: bool  # every rank runs on this host (token files, the controller's pid mean something there)
+    kill_signal: int  # what the job's process group gets when the mesh fails
+
+    def route(self) -> str:
+        """This host's address that the ranks' hosts reach (the advertised default)."""
+
+    def command(self, shape: Shape, worker: list[str], advertise: str) -> list[str]:
+        """The command line that starts the job; `advertise` is the address workers connect back to."""
+
+    def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Start the job in its own process group, its stdout and stderr piped."""
+
+    def subset(self, hosts: list[str]) -> Launcher:
+        """The same way of starting ranks, on some of these hosts (a slice of a host mesh)."""
+
+
+class LocalLauncher:
+    """Every rank on this host, forked by mpiexec (the `this_host()` case)."""
+    hosts = ["localhost"]
+    local = True
+    kill_signal = signal.SIGKILL
+
+    def route(self) -> str:
+        return "127.0.0.1"
+
+    def command(self, shape: Shape, worker: list[str], advertise: str) -> list[str]:
+        return [find_mpiexec(), "-n", str(len(shape)), "-launcher", "fork", *worker]
+
+    def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return start(cmd, env)
+
+    def subset(self, hosts: list[str]) -> LocalLauncher:
+        return self
+
+
+def addresses(launcher: Launcher, bind: str | None) -> tuple[str, str]:
+    """(bind, advertise): where the control socket listens and what workers are told to connect to.
+    Bind: `bind` (spawn_procs' `host=`), else MONARCH_HOST, else the launcher's route (loopback for a local
+    mesh, the local address of the route to the first remote host otherwise). Advertise: MONARCH_ADVERTISE,
+    else the bind address, or the route when the bind address is a wildcard such as 0.0.0.0."""
+    bind = bind or config.host() or launcher.route()
+    return bind, config.advertise() or (launcher.route() if bind in WILDCARDS else bind)
+
+
+def worker_command(shape: Shape, control: str, mesh_id: int) -> list[str]:
+    """What each rank runs: the worker entry point, told the controller's address and the mesh's dims."""
     dims = ",".join(f"{k}={n}" for k, n in zip(shape.labels, shape.sizes, strict=True))
-    cmd = [mpiexec, "-n", str(len(shape))]
-    if hosts == ["localhost"]:
-        cmd += ["-launcher", "fork"]
-    else:
-        cmd += ["-hosts", ",".join(hosts), "-ppn", str(len(shape) // len(hosts))]
-    return cmd + [sys.executable, "-m", "monarch.runtime.control.worker", "--controller", control,
-                  "--mesh-id", str(mesh_id), "--dims", dims, "--owner", str(os.getpid())]
+    return [sys.executable, "-m", "monarch.runtime.control.worker", "--controller", control,
+            "--mesh-id", str(mesh_id), "--dims", dims, "--owner", str(os.getpid())]
 
 
 class TokenHandover:

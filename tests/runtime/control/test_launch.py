@@ -7,22 +7,49 @@ import pytest
 
 from monarch import config
 from monarch.actor import HostMesh, this_host
+from monarch.cluster.ssh import SshLauncher
 from monarch.errors import MeshError
 from monarch.runtime.control import launch
 from monarch.shape import Shape
 
 
-def test_local_command_uses_the_fork_launcher() -> None:
-    cmd = launch.command("/x/mpiexec", Shape.row_major(("dp", "tp"), (2, 2)), ["localhost"], "127.0.0.1:9", 3)
-    assert cmd[:5] == ["/x/mpiexec", "-n", "4", "-launcher", "fork"]
+def test_local_command_uses_the_fork_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MONARCH_MPIEXEC", sys.executable)  # any executable file stands for mpiexec here
+    shape = Shape.row_major(("dp", "tp"), (2, 2))
+    cmd = launch.LocalLauncher().command(shape, launch.worker_command(shape, "127.0.0.1:9", 3), "127.0.0.1")
+    assert cmd[:5] == [sys.executable, "-n", "4", "-launcher", "fork"]
     assert cmd[5:8] == [sys.executable, "-m", "monarch.runtime.control.worker"]
     assert "dp=2,tp=2" in cmd and "127.0.0.1:9" in cmd
 
 
-def test_multi_host_command_spreads_ranks_per_host() -> None:
+def test_multi_host_command_spreads_ranks_per_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MONARCH_MPIEXEC", sys.executable)
+    monkeypatch.setenv("MONARCH_SSH", "ssh -F /some/config")
     shape = Shape.row_major(("hosts", "gpus"), (2, 4))
-    cmd = launch.command("mpiexec", shape, ["a", "b"], "10.0.0.1:9", 1)
-    assert cmd[:7] == ["mpiexec", "-n", "8", "-hosts", "a,b", "-ppn", "4"]
+    cmd = SshLauncher(["a", "b"]).command(shape, launch.worker_command(shape, "10.0.0.1:9", 1), "127.0.0.1")
+    assert cmd[:9] == [sys.executable, "-n", "8", "-hosts", "a,b", "-ppn", "4", "-launcher", "ssh"]
+    wrapper = cmd[cmd.index("-launcher-exec") + 1]
+    assert "exec ssh -F /some/config \"$@\"" in open(wrapper).read()
+    assert cmd[cmd.index("-iface") + 1] == "lo"  # the interface of the advertised address
+
+
+@pytest.mark.parametrize("bind, advertise, expect", [
+    (None, "", ("127.0.0.1", "127.0.0.1")),  # a mesh on this host: loopback
+    ("0.0.0.0", "", ("0.0.0.0", "127.0.0.1")),  # a wildcard is never advertised: the route's address is
+    ("10.1.2.3", "", ("10.1.2.3", "10.1.2.3")),
+    ("0.0.0.0", "10.9.9.9", ("0.0.0.0", "10.9.9.9")),  # MONARCH_ADVERTISE wins
+])
+def test_bind_and_advertised_addresses_are_separate(monkeypatch: pytest.MonkeyPatch, bind: str | None,
+                                                    advertise: str, expect: tuple[str, str]) -> None:
+    monkeypatch.setenv("MONARCH_ADVERTISE", advertise)
+    monkeypatch.delenv("MONARCH_HOST", raising=False)
+    assert launch.addresses(launch.LocalLauncher(), bind) == expect
+
+
+def test_remote_meshes_advertise_the_route_to_their_first_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MONARCH_HOST", raising=False)
+    monkeypatch.delenv("MONARCH_ADVERTISE", raising=False)
+    assert launch.addresses(SshLauncher(["127.0.0.5", "b"]), None) == ("127.0.0.1", "127.0.0.1")
 
 
 def test_host_meshes_have_a_hosts_dim() -> None:

@@ -1,0 +1,106 @@
+"""Host meshes on the controller: `this_host()`, `HostMesh([...])` over ssh, `HostMesh.from_slurm()`.
+
+A HostMesh names hosts and how ranks start on them (a `Launcher`: forked here, Hydra over ssh, srun in a
+Slurm allocation, or attach-mode agents); `spawn_procs` starts one MPI job across them. Proc meshes of a
+mesh with more than one host get a leading `hosts` dim. `sync_workspace` ships code to every host.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+from monarch import config
+from monarch.errors import MeshError, SpawnError
+from monarch.runtime.actors.proc_mesh import ProcMesh
+from monarch.runtime.control import launch
+from monarch.runtime.control.controller import controller
+from monarch.shape import MeshView, Shape
+
+
+class HostMesh(MeshView):
+    """Hosts that can run workers. `this_host()` is one host whose dim is dropped from proc meshes;
+    `HostMesh(["node1", "node2"])` starts ranks over ssh (MONARCH_SSH); `from_slurm()` with srun."""
+
+    def __init__(self, hosts: list[str], launcher: launch.Launcher | None = None) -> None:
+        if not hosts:
+            raise MeshError("a HostMesh needs at least one host")
+        if len(set(hosts)) != len(hosts):
+            raise MeshError(f"a HostMesh names each host once; got {hosts}")
+        self._hosts = list(hosts)
+        self._shape = Shape.row_major(("hosts",), (len(hosts),))
+        self._launcher = launcher or _default_launcher(self._hosts)
+        self._procs: weakref.WeakSet[ProcMesh] = weakref.WeakSet()
+        self._workspaces: list[tuple[Path, bool]] = []
+
+    @classmethod
+    def from_slurm(cls) -> HostMesh:
+        """The nodes of the Slurm allocation this process runs in (under salloc or sbatch); proc meshes
+        start as job steps with `srun --mpi=pmi2`."""
+        from monarch.cluster import slurm
+        job, nodes = slurm.allocation()
+        return cls(nodes, slurm.SlurmLauncher(job, nodes))
+
+    @property
+    def hostnames(self) -> list[str]:
+        return list(self._hosts)
+
+    def _with_shape(self, shape: Shape) -> HostMesh:
+        hosts = [self._hosts[r] for r in shape.ranks()]
+        return HostMesh(hosts, self._launcher.subset(hosts))
+
+    def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str = "procs",
+                    env: dict[str, str] | None = None, host: str | None = None) -> ProcMesh:
+        """Start one worker per point of `per_host` on every host, as one MPI job.
+
+        `env` adds environment variables for the workers. `host` is the address the controller's control
+        socket binds to for this mesh (default MONARCH_HOST; else loopback for this host alone, and this
+        host's address on the route to the first host otherwise); workers are told MONARCH_ADVERTISE, or
+        that address (the route's when `host` is a wildcard such as 0.0.0.0).
+        """
+        per_host = dict(per_host or {"gpus": 1})
+        if "hosts" in per_host:
+            raise MeshError("per_host may not name a dim 'hosts'; that dim is the host mesh's own")
+        labels, sizes = tuple(per_host), tuple(int(n) for n in per_host.values())
+        if len(self._hosts) > 1:
+            labels, sizes = ("hosts", *labels), (len(self._hosts), *sizes)
+        shape = Shape.row_major(labels, sizes)
+        _check_local_size(shape, self._launcher)
+        procs = ProcMesh(controller().spawn(name, shape, self._launcher, env, host), shape)
+        self._procs.add(procs)
+        for path, reload in self._workspaces:
+            procs.sync_workspace(path, reload=reload)
+        return procs
+
+    def sync_workspace(self, path: str | os.PathLike[str], *, reload: bool = True) -> list[Any]:
+        """Copy directory `path` to every host of this mesh, first on the workers' `sys.path`, reloading
+        changed modules; only files whose content changed travel. Proc meshes spawned later get it at
+        spawn. Returns one SyncReport per running proc mesh."""
+        root = Path(path).resolve()
+        self._workspaces = [w for w in self._workspaces if w[0] != root] + [(root, reload)]
+        return [p.sync_workspace(root, reload=reload) for p in list(self._procs) if p.running]
+
+    def __repr__(self) -> str:
+        return f"<HostMesh {self._hosts}>"
+
+
+def _default_launcher(hosts: list[str]) -> launch.Launcher:
+    if hosts == ["localhost"]:
+        return launch.LocalLauncher()
+    from monarch.cluster.ssh import SshLauncher
+    return SshLauncher(hosts)
+
+
+def _check_local_size(shape: Shape, launcher: launch.Launcher) -> None:
+    """Refuse a mesh on this host alone with more processes than MONARCH_MAX_LOCAL_PROCS, before mpiexec."""
+    limit = config.max_local_procs()
+    if launcher.local and len(shape) > limit:
+        raise SpawnError(f"a mesh of {len(shape)} worker processes ({shape.extent}) on this host is over the "
+                         f"limit of {limit} (MONARCH_MAX_LOCAL_PROCS, default 16 per core; this host has "
+                         f"{os.cpu_count()} cores): spawn fewer processes, or raise MONARCH_MAX_LOCAL_PROCS")
+
+
+def this_host() -> HostMesh:
+    """The machine the controller runs on."""
+    return HostMesh(["localhost"])
