@@ -46,9 +46,10 @@ def ssh_executable(command: str) -> str:
     return _wrappers[command]
 
 
-def hydra_iface(advertise: str) -> list[str]:
-    """`-iface NAME` for the interface of the advertised address (MONARCH_IFACE wins); none if unknown."""
-    name = config.iface() or net.iface_of(advertise)
+def hydra_iface(advertise: str, route: str) -> list[str]:
+    """`-iface NAME`: MONARCH_IFACE, else the interface of the advertised address, else that of the route to
+    the hosts (for an advertised loopback or another machine's address); none if neither is on one here."""
+    name = config.iface() or ("" if net.is_loopback(advertise) else net.iface_of(advertise)) or net.iface_of(route)
     return ["-iface", name] if name else []
 
 
@@ -67,7 +68,7 @@ class SshLauncher:
         per_host = len(shape) // len(self.hosts)
         return [launch.find_mpiexec(), "-n", str(len(shape)), "-hosts", ",".join(self.hosts), "-ppn",
                 str(per_host), "-launcher", "ssh", "-launcher-exec", ssh_executable(config.ssh()),
-                *hydra_iface(advertise), *worker]
+                *hydra_iface(advertise, self.route()), *worker]
 
     def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         return launch.start(cmd, env)

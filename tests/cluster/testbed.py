@@ -44,6 +44,7 @@ def can_slurm() -> str:
 
 @dataclass
 class Testbed:
+    __test__ = False  # not a test class, whatever pytest thinks of its name
     names: tuple[str, ...] = ("mh1", "mh2", "mh3")
     slurm: bool = True
     dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="monarch-testbed-")))
@@ -222,6 +223,34 @@ class Testbed:
 
     def pids(self, name: str) -> set[int]:
         return {int(p) for p in sh("ip", "netns", "pids", name, check=False).stdout.split()}
+
+    def all_pids(self) -> set[int]:
+        return set().union(*(self.pids(n) for n in self.names))
+
+    def strays(self, keep: set[int] = frozenset(), timeout: float = 10.0) -> dict[int, str]:  # type: ignore[assignment]
+        """Processes left in the hosts besides the daemons and `keep` (waits up to `timeout` s for them to go)."""
+        daemons = {p.pid for p in self.daemons} | set(keep)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {}
+            for n in self.names:
+                for pid in self.pids(n) - daemons:
+                    try:
+                        left[pid] = f"{n}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    except OSError:
+                        pass
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
+
+    def restart(self, name: str) -> None:
+        """Start host `name`'s daemons again (after a test killed every process of it)."""
+        for proc in [p for p in self.daemons if p.poll() is not None]:
+            self.daemons.remove(proc)
+        self._in_host(name, f"/usr/sbin/sshd -D -e -f {self.dir}/sshd_config", f"sshd-{name}.log")
+        if self.slurm:
+            self._in_host(name, f"/usr/sbin/slurmd -D -N {name} -f {self.dir}/slurm.conf", f"slurmd-{name}.out")
+        wait_port(self.address(name), 22)
 
     def link(self, name: str, up: bool) -> None:
         """Cut host `name` off the network (or reconnect it): its veth goes down."""

@@ -114,9 +114,20 @@ def start(argv: list[str]) -> Boot:
     world = MPI.COMM_WORLD
     assert world.Get_rank() == launch.rank, (world.Get_rank(), launch.rank)
     assert world.Get_size() == len(launch.shape), (world.Get_size(), launch.shape)
-    sock = launch.connect(timeout=30)
+    sock = _connect_back(launch)
     sock.sendall(launch.header(ROLE_WORKER) + encode_frame([Hello(os.getpid(), socket.gethostname())]))
     return Boot(sock, launch.rank)
+
+
+def _connect_back(launch: Launch) -> socket.socket:
+    try:
+        return launch.connect(timeout=30)
+    except OSError as e:
+        raise SystemExit(
+            f"monarch worker rank {launch.rank} on host {socket.gethostname()}: cannot connect to the controller at "
+            f"{launch.host}:{launch.port}: {e}. That is the address the controller advertises: set MONARCH_ADVERTISE "
+            "on the controller to an address of its host that this host reaches (and MONARCH_HOST or spawn_procs("
+            "host=...) to one it binds), and check that no firewall blocks the port") from None
 
 
 def _close(*fds: int) -> None:
@@ -185,4 +196,4 @@ def _report(launch: Launch, msg: ProcExit) -> None:
         with launch.connect(timeout=5) as sock:
             sock.sendall(launch.header(ROLE_MONITOR) + encode_frame([msg]))
     except OSError as e:
-        print(f"monarch monitor: could not report rank {launch.rank}'s exit: {e}", file=sys.stderr)
+        sys.stderr.write(f"monarch monitor: could not report rank {launch.rank}'s exit: {e}\n")

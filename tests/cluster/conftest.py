@@ -1,0 +1,40 @@
+"""The cluster tier's test hosts: one testbed (network namespaces with sshd and Slurm) for the session.
+
+Without root (or the Debian packages) every test here that needs hosts skips with one line. MPICH moves
+data over its OFI netmod in this tier, so that bytes between ranks of different hosts cross the veths.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from testbed import Testbed, can_run, can_slurm
+
+TIER_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+
+
+@pytest.fixture(scope="session")
+def testbed() -> Iterator[Testbed]:
+    why = can_run()
+    if why:
+        pytest.skip(f"cluster tier: {why}")
+    bed = Testbed(slurm=not can_slurm()).up()
+    saved = {k: os.environ.get(k) for k in [*bed.env, *TIER_ENV]}
+    os.environ.update(bed.env | TIER_ENV)
+    try:
+        yield bed
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        bed.down()
+
+
+@pytest.fixture
+def slurm(testbed: Testbed) -> Testbed:
+    if not testbed.slurm:
+        pytest.skip(f"cluster tier: {can_slurm()}")
+    return testbed
