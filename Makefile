@@ -1,12 +1,14 @@
 # make demo: create .venv, install monarch, run the main example on a local 4-process mesh.
-# make test: create/update .venv, run the whole test suite.
+# make test: create/update .venv, run the whole test suite (but the cluster tier).
+# make test-cluster: the cluster tier (tests/cluster): meshes across test hosts made of network namespaces
+#   with a real sshd and Slurm (needs root and .ci/cluster-packages; skips with one line otherwise).
 VENV   ?= .venv
 PYTHON ?= python3
 PY     := $(VENV)/bin/python
 # the venv's MPICH mpiexec must come before any system-wide mpiexec of another MPI
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-cluster bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +19,14 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/cluster
+
+$(VENV)/.installed-cluster: $(VENV)/.installed
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,cluster]'
+	touch $@
+
+test-cluster: $(VENV)/.installed-cluster
+	$(PY) -m pytest -q -p no:cacheprovider tests/cluster
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/actors.py

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import socket
 import time
 
@@ -155,3 +156,48 @@ def test_killing_every_process_of_a_host(testbed: Testbed, others: set[int]) -> 
         testbed.restart("mh2")
     assert not testbed.strays(others), testbed.strays(others)
     _fresh_mesh_works()
+
+
+PACKAGE = '''from monarch.actor import Actor, endpoint
+from {pkg}.util import answer
+
+
+class Answer(Actor):
+    @endpoint
+    def answer(self) -> tuple[str, int, str]:
+        import socket
+        from {pkg} import util
+        return socket.gethostname(), util.answer(), util.__file__
+'''
+
+
+def test_sync_workspace_ships_a_package_the_hosts_never_saw(tmp_path, testbed: Testbed,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = "clusterpkg_never_seen"
+    src = tmp_path / "project"
+    (src / pkg).mkdir(parents=True)
+    (src / pkg / "__init__.py").write_text(PACKAGE.format(pkg=pkg))
+    (src / pkg / "util.py").write_text("def answer() -> int:\n    return 1\n")
+    env = {"MONARCH_WORKSPACE_DIR": str(tmp_path / "copies")}
+    hosts = HostMesh(["mh1", "mh2"])
+    procs = hosts.spawn_procs(per_host={"gpus": 1}, name="synced", env=env)
+    try:
+        monkeypatch.syspath_prepend(str(src))  # the controller imports it; the workers never had it on their path
+        from clusterpkg_never_seen import Answer  # type: ignore[import-not-found]
+        first = hosts.sync_workspace(src)[0]
+        assert first.files_sent == 4 and first.hosts == ("mh1", "mh2"), first  # 2 files to each host
+        got = procs.spawn("a", Answer).answer.call().get(timeout=T)
+        assert [(h, n) for _, (h, n, _) in got.items()] == [("mh1", 1), ("mh2", 1)]
+        for (_, (host, _, where)) in got.items():
+            assert where.startswith(str(tmp_path / "copies" / host)), where  # each host's own copy
+        (src / pkg / "util.py").write_text("def answer() -> int:\n    return 2\n")
+        again = hosts.sync_workspace(src)[0]
+        assert again.files_sent == 2 and f"{pkg}.util" in again.reloaded, again
+        assert [n for _, (_, n, _) in procs.spawn("b", Answer).answer.call().get(timeout=T).items()] == [2, 2]
+        assert hosts.sync_workspace(src)[0].files_sent == 0
+        with hosts.spawn_procs(per_host={"gpus": 1}, name="later", env=env) as later:  # synced at spawn
+            assert [n for _, (_, n, _) in later.spawn("c", Answer).answer.call().get(timeout=T).items()] == [2, 2]
+    finally:
+        procs.stop()
+        sys.modules.pop(pkg, None)
+        sys.modules.pop(f"{pkg}.util", None)

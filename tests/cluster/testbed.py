@@ -29,7 +29,7 @@ def can_run() -> str:
     """Why the testbed cannot run here ("" when it can)."""
     if os.geteuid() != 0:
         return "needs root (network namespaces, sshd, slurmd)"
-    for tool in ("ip", "unshare", "/usr/sbin/sshd", "ssh-keygen", "ssh"):
+    for tool in ("ip", "unshare", "nsenter", "/usr/sbin/sshd", "ssh-keygen", "ssh"):
         if not shutil.which(tool):
             return f"{tool} is not installed (apt-get install iproute2 util-linux openssh-server openssh-client)"
     return ""
