@@ -2,7 +2,9 @@
 
 `HostMesh.from_slurm()` reads the allocation from the environment salloc/sbatch set; each proc mesh is
 one job step that may share the allocation's CPUs with other steps (`--overlap`), so several meshes can
-run at once. Ranks learn their rank from PMI (PMI_RANK wins over SLURM_PROCID, see bootstrap.py).
+run at once, and may have more ranks than the allocation has tasks or CPUs (`--overcommit`: per_host
+counts processes, e.g. one per GPU, not CPUs). Ranks learn their rank from PMI (PMI_RANK wins over
+SLURM_PROCID, see bootstrap.py).
 """
 from __future__ import annotations
 
@@ -52,8 +54,9 @@ class SlurmLauncher:
 
     def command(self, shape: Shape, worker: list[str], advertise: str) -> list[str]:
         per_host = len(shape) // len(self.hosts)
-        return [_tool("srun"), "--mpi=pmi2", "--overlap", f"--jobid={self.job}", f"--nodes={len(self.hosts)}",
-                f"--ntasks={len(shape)}", f"--ntasks-per-node={per_host}", f"--nodelist={','.join(self.hosts)}",
+        return [_tool("srun"), "--mpi=pmi2", "--overlap", "--overcommit", f"--jobid={self.job}",
+                f"--nodes={len(self.hosts)}", f"--ntasks={len(shape)}", f"--ntasks-per-node={per_host}",
+                f"--nodelist={','.join(self.hosts)}",
                 "--distribution=block", "--kill-on-bad-exit=0", "--input=none", "--job-name=monarch", *worker]
 
     def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
