@@ -10,9 +10,6 @@ import os
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-WORKER_TOKEN = "MONARCH_WORKER_TOKEN"  # the mesh token of workers on other hosts (launch.py sets it)
-
-
 @dataclass(frozen=True)
 class Flag:
     name: str
@@ -53,8 +50,6 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_MAX_LOCAL_PROCS", "", "most worker processes of one local mesh (default: 16 per core)"),
     Flag("MONARCH_WORKSPACE_DIR", "~/.cache/monarch/workspaces", "where workers keep the copies sync_workspace "
          "makes: <dir>/<hostname>/<name>-<hash of the source path>"),
-    Flag(WORKER_TOKEN, "", "set by the controller, not by users: the mesh token (hex) of workers on "
-         "other hosts than the controller's; read once at start-up and removed"),
 ]}
 
 
@@ -196,13 +191,6 @@ def max_local_procs() -> int:
 def workspace_dir() -> str:
     """MONARCH_WORKSPACE_DIR with `~` expanded (read on the workers, which keep the copies)."""
     return os.path.expanduser(_str("MONARCH_WORKSPACE_DIR"))
-
-
-def take_worker_token() -> bytes:
-    """The mesh token from MONARCH_WORKER_TOKEN, removed from this process's environment as it is read."""
-    token = _parse(WORKER_TOKEN, bytes.fromhex)
-    os.environ.pop(WORKER_TOKEN, None)
-    return token
 
 
 def _table(flags: dict[str, Flag], width: int) -> str:

@@ -62,5 +62,23 @@ class SlurmLauncher:
     def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         return launch.start(cmd, env)
 
+    def hand_over(self, token: str, directory: str, per_host: int) -> None:
+        """One srun step with a task per node and the token on its stdin (broadcast to every task); each
+        task writes the files of its node's ranks, picked by the node's name (SLURMD_NODENAME)."""
+        cases = " ".join(f"{h}) rs='{' '.join(str(i * per_host + j) for j in range(per_host))}';;"
+                         for i, h in enumerate(self.hosts))
+        script = f"case $SLURMD_NODENAME in {cases} *) exit 3;; esac; " + launch.token_script(directory, "$rs")
+        cmd = [_tool("srun"), "--overlap", "--overcommit", f"--jobid={self.job}", f"--nodes={len(self.hosts)}",
+               f"--ntasks={len(self.hosts)}", "--ntasks-per-node=1", f"--nodelist={','.join(self.hosts)}",
+               "--input=all", "--job-name=monarch-token", "sh", "-c", script]
+        try:
+            done = subprocess.run(cmd, input=token, capture_output=True, text=True, timeout=config.spawn_timeout())
+        except subprocess.TimeoutExpired:
+            raise SpawnError(f"handing the mesh token to {self.hosts} with srun took over "
+                             f"{config.spawn_timeout()} s (MONARCH_SPAWN_TIMEOUT)") from None
+        if done.returncode:
+            raise SpawnError(f"could not hand the mesh token to the allocation's nodes {self.hosts} with srun "
+                             f"(job {self.job}): {done.stderr.strip()}")
+
     def subset(self, hosts: list[str]) -> SlurmLauncher:
         return SlurmLauncher(self.job, hosts)

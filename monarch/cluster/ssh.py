@@ -73,5 +73,23 @@ class SshLauncher:
     def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         return launch.start(cmd, env)
 
+    def hand_over(self, token: str, directory: str, per_host: int) -> None:
+        """One ssh per host, at once: the token on stdin, `launch.token_script` writes its ranks' files."""
+        ssh = ssh_executable(config.ssh())
+        runs = {h: subprocess.Popen([ssh, h, launch.token_script(directory, " ".join(
+                    str(i * per_host + j) for j in range(per_host)))], stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i, h in enumerate(self.hosts)}
+        for host, run in runs.items():
+            try:
+                _, err = run.communicate(token.encode(), timeout=config.spawn_timeout())
+            except subprocess.TimeoutExpired:
+                run.kill()
+                run.wait()
+                err = b"timed out (MONARCH_SPAWN_TIMEOUT)"
+            if run.returncode:
+                raise SpawnError(f"could not reach host {host!r} with `{config.ssh()} {host}` (MONARCH_SSH) to hand "
+                                 f"over the mesh token: {err.decode(errors='replace').strip()}; check that "
+                                 f"`{config.ssh()} {host} true` works without a prompt")
+
     def subset(self, hosts: list[str]) -> SshLauncher:
         return SshLauncher(hosts)

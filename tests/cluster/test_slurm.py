@@ -29,6 +29,10 @@ CONTROLLER = """
     with hosts.spawn_procs(per_host={"gpus": 2}) as procs:
         print("spawned", round(time.monotonic() - start, 2), procs.extent)
         print("where", sorted(procs.spawn("w", Where).where.call().get(timeout=60).values()))
+        from pathlib import Path
+        token = procs._mesh.token.hex().encode()
+        print("token in environ", any(token in Path(f"/proc/{p}/environ").read_bytes() for p in procs.pids))
+        print("token files", list(Path("/dev/shm").glob("monarch-token-*")))
         x = torch.randn(64, 8)
         m = monarch.distribute_tensor(x, procs, [Shard(0), Replicate()])
         print("sum ok", torch.allclose((m * 3).sum(0).full_tensor(), (x * 3).sum(0), atol=1e-5))
@@ -53,6 +57,7 @@ def test_from_slurm_inside_salloc(slurm: Testbed) -> None:
     assert [(h, r) for h, r, _ in where] == [(hosts[0], 0), (hosts[0], 1), (hosts[1], 2), (hosts[1], 3)], out
     assert len({s for _, _, s in where}) == 1 and where[0][2] is not None, "one srun job step for the mesh"
     assert lines["sum"] == "ok True", out
+    assert "token in environ False" in out and "token files []" in out, out
     assert lines["local"] == "ranks [0, 1]", out
     assert not slurm.strays(others), slurm.strays(others)
 

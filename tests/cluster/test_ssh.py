@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import socket
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,14 @@ def test_ranks_run_on_their_hosts(procs: ProcMesh) -> None:
     got = procs.spawn("where", Where).where.call().get(timeout=T)
     assert [h for _, (h, _) in got.items()] == ["mh1", "mh1", "mh2", "mh2"]
     assert procs.hostnames == ["mh1", "mh1", "mh2", "mh2"]
+
+
+def test_the_token_reaches_other_hosts_in_files_that_are_gone(procs: ProcMesh) -> None:
+    token = procs._mesh.token.hex().encode()  # type: ignore[attr-defined]
+    for pid in procs.pids:  # the workers (and their monitors) on both hosts
+        for p in (pid, int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])):
+            assert token not in Path(f"/proc/{p}/environ").read_bytes() + Path(f"/proc/{p}/cmdline").read_bytes()
+    assert not list(Path("/dev/shm").glob("monarch-token-*"))  # each host's last rank removed its directory
 
 
 def test_sharded_ops_cross_the_wire(procs: ProcMesh, testbed: Testbed) -> None:

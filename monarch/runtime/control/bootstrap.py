@@ -4,7 +4,7 @@ The process mpiexec starts forks. The child becomes the worker (it joins MPI and
 plane); the parent stays a small monitor that prefixes the child's output with its mesh coordinates and,
 if the child dies abnormally, reports the exit status to the controller before exiting with it. The mesh
 token comes from this rank's token file (`--token-dir`, read and deleted at once), never from the
-environment on this host; only a rank on another host than the controller's gets it by environment.
+environment or the command line, on every host (launch.TokenHandover).
 """
 from __future__ import annotations
 
@@ -67,13 +67,13 @@ def parse(argv: list[str]) -> Launch:
     p.add_argument("--mesh-id", type=int, required=True)
     p.add_argument("--dims", required=True, help="mesh dims, e.g. dp=2,tp=2")
     p.add_argument("--owner", type=int, default=0, help="pid of the controller; the worker dies with it")
-    p.add_argument("--token-dir", default="", help="directory of the mesh's token files, one per rank")
+    p.add_argument("--token-dir", required=True, help="directory of the mesh's token files, one per rank")
     a = p.parse_args(argv)
     host, port = a.controller.rsplit(":", 1)
     dims = [d.split("=") for d in a.dims.split(",") if d]
     shape = Shape.row_major(tuple(k for k, _ in dims), tuple(int(v) for _, v in dims))
     rank = next((int(v) for k in _RANK_ENVS if (v := config.external(k))), 0)
-    token = take_token(token_file(a.token_dir, rank)) if a.token_dir else config.take_worker_token()
+    token = take_token(token_file(a.token_dir, rank))
     return Launch(host, int(port), a.mesh_id, shape, token, rank, a.owner)
 
 
@@ -83,11 +83,14 @@ def token_file(directory: str, rank: int) -> str:
 
 
 def take_token(path: str) -> bytes:
-    """Read this rank's token file and delete it, so that the token is nowhere on disk once we started."""
+    """Read this rank's token file and delete it, so that the token is nowhere once we started; the last
+    rank of a host to start also removes the directory."""
     try:
         with open(path) as f:
             token = bytes.fromhex(f.read())
         os.unlink(path)
+        with suppress(OSError):  # other ranks' files are still there
+            os.rmdir(os.path.dirname(path))
     except (OSError, ValueError) as e:
         raise SystemExit(f"monarch worker: cannot take the mesh token from {path}: {e} (it is written by the "
                          "controller for one start of this rank, and deleted by it)") from None

@@ -151,12 +151,12 @@ class Controller:
         mesh.kill_signal = launcher.kill_signal
         bind, advertise = launch.addresses(launcher, bind)
         control = f"{advertise}:{self.listen(bind).rsplit(':', 1)[1]}"
-        handover = launch.TokenHandover(mesh.token, len(shape), launcher.local)
+        handover = launch.TokenHandover(mesh.token, len(shape), launcher)
         cmd = launcher.command(shape, launch.worker_command(shape, control, mesh.id) + handover.args, advertise)
         log.debug("spawning mesh %r (id %d): %s", name, mesh.id, " ".join(cmd))
         self.meshes[mesh.id] = mesh
         try:
-            mesh.proc = launcher.start(cmd, launch.worker_env(env, handover))
+            mesh.proc = launcher.start(cmd, launch.worker_env(env))
             assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
             out, err = mesh.proc.stdout, mesh.proc.stderr
             self._poller.watch(out.fileno(), lambda: self._output(mesh, out, sys.stdout))

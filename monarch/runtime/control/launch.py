@@ -8,6 +8,7 @@ ones. This module also picks the control socket's bind and advertised addresses,
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -60,6 +61,10 @@ class Launcher(Protocol):
     def subset(self, hosts: list[str]) -> Launcher:
         """The same way of starting ranks, on some of these hosts (a slice of a host mesh)."""
 
+    def hand_over(self, token: str, directory: str, per_host: int) -> None:
+        """Write the mesh token for each rank on its host (`token_script`), before the job starts; only
+        launchers of other hosts are asked. Raises SpawnError when a host cannot be reached."""
+
 
 class LocalLauncher:
     """Every rank on this host, forked by mpiexec (the `this_host()` case)."""
@@ -79,6 +84,9 @@ class LocalLauncher:
     def subset(self, hosts: list[str]) -> LocalLauncher:
         return self
 
+    def hand_over(self, token: str, directory: str, per_host: int) -> None:
+        raise AssertionError("the controller writes the token files of ranks on its own host")
+
 
 def addresses(launcher: Launcher, bind: str | None) -> tuple[str, str]:
     """(bind, advertise): where the control socket listens and what workers are told to connect to.
@@ -96,39 +104,50 @@ def worker_command(shape: Shape, control: str, mesh_id: int) -> list[str]:
             "--mesh-id", str(mesh_id), "--dims", dims, "--owner", str(os.getpid())]
 
 
-class TokenHandover:
-    """How a mesh's token reaches its workers. On this host: one file per rank (0600, in a fresh 0700
-    directory), named by `--token-dir` on the command line; each worker reads and deletes its own file at
-    start, and `remove()` deletes whatever is left once the mesh has settled, failed to spawn or stopped,
-    so the token is in no process's environment (/proc/<pid>/environ) and, after start-up, on no disk.
-    Ranks on other hosts cannot read this host's files: for a mesh with other hosts the token goes in
-    the environment (config.WORKER_TOKEN) of mpiexec and the workers, until the cluster launch hands it over."""
+REMOTE_TOKEN_ROOT = "/dev/shm"  # where token files go on other hosts: memory, never a disk
 
-    def __init__(self, token: bytes, ranks: int, local: bool) -> None:
-        self.dir = tempfile.mkdtemp(prefix="monarch-token-") if local else ""
-        self.env = {} if local else {config.WORKER_TOKEN: token.hex()}
-        for r in range(ranks if local else 0):
-            fd = os.open(token_file(self.dir, r), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(token.hex())
+
+class TokenHandover:
+    """How a mesh's token reaches its workers: one file per rank (0600, in a 0700 directory), named by
+    `--token-dir` on the command line; each worker reads and deletes its own file at start (the last one
+    also the directory), so the token is in no process's environment or command line and, after start-up,
+    nowhere. On this host the controller writes the files (and `remove()` deletes what is left once the
+    mesh settled, failed or stopped); on other hosts the launcher writes them before the job starts, over
+    its own authenticated channel (ssh, an srun step, the attach-mode agent), never over MPI's."""
+
+    def __init__(self, token: bytes, ranks: int, launcher: Launcher) -> None:
+        self.local = launcher.local
+        if self.local:
+            self.dir = tempfile.mkdtemp(prefix="monarch-token-")
+            for r in range(ranks):
+                fd = os.open(token_file(self.dir, r), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(token.hex())
+        else:
+            self.dir = f"{REMOTE_TOKEN_ROOT}/monarch-token-{secrets.token_hex(8)}"
+            launcher.hand_over(token.hex(), self.dir, ranks // len(launcher.hosts))
 
     @property
     def args(self) -> list[str]:
         """The worker's command-line arguments that say where its token is."""
-        return ["--token-dir", self.dir] if self.dir else []
+        return ["--token-dir", self.dir]
 
     def remove(self) -> None:
-        if self.dir:
+        if self.local:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def worker_env(extra: dict[str, str] | None, handover: TokenHandover) -> dict[str, str]:
-    """This process's environment plus `extra` and what the token handover needs (nothing on this host);
-    workers import from the same paths as the controller."""
+def token_script(directory: str, ranks: str) -> str:
+    """A POSIX sh script for another host: it reads the token (hex) from stdin and writes it to one 0600
+    file per rank of `ranks` (a shell word list) in `directory` (0700, ours). No command line holds it."""
+    return (f"umask 077 && mkdir -p {directory} && [ -O {directory} ] && chmod 700 {directory} && t=$(cat) && "
+            f"for r in {ranks}; do printf %s \"$t\" > {directory}/rank-$r || exit 1; done")
+
+
+def worker_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment plus `extra`; workers import from the same paths as the controller."""
     env = dict(os.environ)
     env.update(extra or {})
-    env.pop(config.WORKER_TOKEN, None)
-    env.update(handover.env)
     env["PYTHONUNBUFFERED"] = "1"
     ours = [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
     path = [(extra or {}).get("PYTHONPATH", ""), _PACKAGE_ROOT, *ours, os.environ.get("PYTHONPATH", "")]

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 
-from monarch import config
 from monarch.actor import HostMesh, this_host
 from monarch.cluster.ssh import SshLauncher
 from monarch.errors import MeshError
@@ -26,11 +25,12 @@ def test_multi_host_command_spreads_ranks_per_host(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("MONARCH_MPIEXEC", sys.executable)
     monkeypatch.setenv("MONARCH_SSH", "ssh -F /some/config")
     shape = Shape.row_major(("hosts", "gpus"), (2, 4))
-    cmd = SshLauncher(["a", "b"]).command(shape, launch.worker_command(shape, "10.0.0.1:9", 1), "127.0.0.1")
-    assert cmd[:9] == [sys.executable, "-n", "8", "-hosts", "a,b", "-ppn", "4", "-launcher", "ssh"]
+    hosts = ["127.0.0.2", "127.0.0.3"]
+    cmd = SshLauncher(hosts).command(shape, launch.worker_command(shape, "10.0.0.1:9", 1), "127.0.0.1")
+    assert cmd[:9] == [sys.executable, "-n", "8", "-hosts", ",".join(hosts), "-ppn", "4", "-launcher", "ssh"]
     wrapper = cmd[cmd.index("-launcher-exec") + 1]
     assert "exec ssh -F /some/config \"$@\"" in open(wrapper).read()
-    assert cmd[cmd.index("-iface") + 1] == "lo"  # the interface of the advertised address
+    assert cmd[cmd.index("-iface") + 1] == "lo"  # the interface of the route to the hosts
 
 
 @pytest.mark.parametrize("bind, advertise, expect", [
@@ -60,10 +60,8 @@ def test_host_meshes_have_a_hosts_dim() -> None:
         this_host().spawn_procs(per_host={"hosts": 2})
 
 
-def test_worker_env_carries_our_import_path_and_no_token_on_this_host() -> None:
-    handover = launch.TokenHandover(b"\x01\x02", 1, local=True)
-    env = launch.worker_env({"PYTHONPATH": "/extra", "FOO": "1"}, handover)
-    handover.remove()
-    assert config.WORKER_TOKEN not in env and env["FOO"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+def test_worker_env_carries_our_import_path() -> None:
+    env = launch.worker_env({"PYTHONPATH": "/extra", "FOO": "1"})
+    assert env["FOO"] == "1" and env["PYTHONUNBUFFERED"] == "1"
     path = env["PYTHONPATH"].split(":")
     assert path[0] == "/extra" and launch._PACKAGE_ROOT in path

@@ -1,16 +1,17 @@
-"""The mesh token reaches local workers through one 0600 file per rank that the worker deletes at start, never
+"""The mesh token reaches workers through one 0600 file per rank that the worker deletes at start, never
 through the environment: no process of the job (mpiexec, its proxy, monitors, workers) has it in
-/proc/<pid>/environ, and no token file is left once the mesh has settled or failed to spawn."""
+/proc/<pid>/environ, and no token file is left once the mesh has settled or failed to spawn. The script
+that writes the files on other hosts runs here under a real sh (the cluster tier runs it over ssh/srun)."""
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from monarch import config
 from monarch.actor import Actor, endpoint, this_host
 from monarch.errors import SpawnError
 from monarch.runtime.control import bootstrap, launch
@@ -58,7 +59,7 @@ def test_no_process_of_the_job_has_the_token_in_its_environment(private_tmp: Pat
         for pid in job:
             environ = Path(f"/proc/{pid}/environ").read_bytes()
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            assert config.WORKER_TOKEN.encode() not in environ and token not in environ and token not in cmdline, pid
+            assert token not in environ and token not in cmdline, pid
         args = Path(f"/proc/{procs.pids[0]}/cmdline").read_bytes().decode().split("\0")
         token_dir = Path(args[args.index("--token-dir") + 1])
         assert token_dir.parent == private_tmp and not token_dir.exists()  # each worker took its file, then
@@ -76,8 +77,8 @@ def test_token_files_are_removed_when_the_spawn_fails(private_tmp: Path) -> None
 
 
 def test_handover_files_are_private_and_taken_once(private_tmp: Path) -> None:
-    handover = launch.TokenHandover(b"\x07" * 32, 3, local=True)
-    assert handover.env == {} and handover.args == ["--token-dir", handover.dir]
+    handover = launch.TokenHandover(b"\x07" * 32, 3, launch.LocalLauncher())
+    assert handover.args == ["--token-dir", handover.dir]
     assert stat.S_IMODE(os.stat(handover.dir).st_mode) == 0o700
     files = sorted(Path(handover.dir).iterdir())
     assert [f.name for f in files] == ["rank-0", "rank-1", "rank-2"]
@@ -89,9 +90,26 @@ def test_handover_files_are_private_and_taken_once(private_tmp: Path) -> None:
     assert not Path(handover.dir).exists()
 
 
-def test_other_hosts_still_get_the_token_by_environment() -> None:
-    handover = launch.TokenHandover(b"\x01\x02", 8, local=False)
-    assert handover.args == [] and handover.dir == ""
-    env = launch.worker_env({"FOO": "1"}, handover)
-    assert env[config.WORKER_TOKEN] == "0102" and env["FOO"] == "1"
-    assert config.WORKER_TOKEN not in launch.worker_env({}, launch.TokenHandover(b"\x01", 1, local=True))
+def test_the_script_for_other_hosts_writes_private_files_from_stdin(tmp_path: Path) -> None:
+    directory = tmp_path / "monarch-token-x"
+    script = launch.token_script(str(directory), "2 3")
+    assert "feed" not in script  # the token travels on stdin, not on any command line
+    done = subprocess.run(["sh", "-c", script], input="feed" * 16, text=True, capture_output=True, timeout=T)
+    assert done.returncode == 0, done.stderr
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    files = sorted(directory.iterdir())
+    assert [f.name for f in files] == ["rank-2", "rank-3"]
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 and f.read_text() == "feed" * 16 for f in files)
+    assert bootstrap.take_token(str(files[0])) == bytes.fromhex("feed" * 16) and directory.exists()
+    bootstrap.take_token(str(files[1]))
+    assert not directory.exists()  # the last rank of the host removed the directory
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
+def test_the_script_refuses_a_directory_of_someone_else(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 12345, 12345)
+    done = subprocess.run(["sh", "-c", launch.token_script(str(theirs), "0")], input="ab", text=True,
+                          capture_output=True, timeout=T)
+    assert done.returncode != 0 and not (theirs / "rank-0").exists()
