@@ -1,10 +1,10 @@
 """Meshes inside a Slurm allocation: the allocation's nodes, ranks started by `srun --mpi=pmi2` (no ssh).
 
-`HostMesh.from_slurm()` reads the allocation from the environment salloc/sbatch set; each proc mesh is
-one job step that may share the allocation's CPUs with other steps (`--overlap`), so several meshes can
-run at once, and may have more ranks than the allocation has tasks or CPUs (`--overcommit`: per_host
-counts processes, e.g. one per GPU, not CPUs). Ranks learn their rank from PMI (PMI_RANK wins over
-SLURM_PROCID, see bootstrap.py).
+`HostMesh.from_slurm()` reads the allocation from the environment salloc/sbatch set (`SlurmJob`, in job.py,
+submits one from outside and waits for it); each proc mesh is one job step that may share the allocation's CPUs
+with other steps (`--overlap`), so several meshes can run at once, and may have more ranks than the
+allocation has tasks or CPUs (`--overcommit`: per_host counts processes, e.g. one per GPU, not CPUs).
+Ranks learn their rank from PMI (PMI_RANK wins over SLURM_PROCID, see bootstrap.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from monarch.runtime.control import launch
 from monarch.shape import Shape
 
 
-def _tool(name: str) -> str:
+def tool(name: str) -> str:
     found = shutil.which(name)
     if not found:
         raise SpawnError(f"{name} is not on PATH: HostMesh.from_slurm() runs inside a Slurm allocation, on a "
@@ -33,12 +33,17 @@ def allocation() -> tuple[str, list[str]]:
     if not job or not nodelist:
         raise SpawnError("HostMesh.from_slurm() needs a Slurm allocation (SLURM_JOB_ID and SLURM_JOB_NODELIST "
                          "are not set): run the script under `salloc -N <hosts>` or in an sbatch script")
+    return job, expand(nodelist)
+
+
+def expand(nodelist: str) -> list[str]:
+    """Node names of a Slurm node list such as `node[1-3,7]`, in Slurm's order."""
     try:
-        out = subprocess.run([_tool("scontrol"), "show", "hostnames", nodelist], capture_output=True, text=True,
+        out = subprocess.run([tool("scontrol"), "show", "hostnames", nodelist], capture_output=True, text=True,
                              check=True, timeout=30).stdout
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
         raise SpawnError(f"scontrol could not expand the node list {nodelist!r}: {e}") from None
-    return job, out.split()
+    return out.split()
 
 
 class SlurmLauncher:
@@ -54,7 +59,7 @@ class SlurmLauncher:
 
     def command(self, shape: Shape, worker: list[str], advertise: str) -> list[str]:
         per_host = len(shape) // len(self.hosts)
-        return [_tool("srun"), "--mpi=pmi2", "--overlap", "--overcommit", f"--jobid={self.job}",
+        return [tool("srun"), "--mpi=pmi2", "--overlap", "--overcommit", f"--jobid={self.job}",
                 f"--nodes={len(self.hosts)}", f"--ntasks={len(shape)}", f"--ntasks-per-node={per_host}",
                 f"--nodelist={','.join(self.hosts)}",
                 "--distribution=block", "--kill-on-bad-exit=0", "--input=none", "--job-name=monarch", *worker]
@@ -68,7 +73,7 @@ class SlurmLauncher:
         cases = " ".join(f"{h}) rs='{' '.join(str(i * per_host + j) for j in range(per_host))}';;"
                          for i, h in enumerate(self.hosts))
         script = f"case $SLURMD_NODENAME in {cases} *) exit 3;; esac; " + launch.token_script(directory, "$rs")
-        cmd = [_tool("srun"), "--overlap", "--overcommit", f"--jobid={self.job}", f"--nodes={len(self.hosts)}",
+        cmd = [tool("srun"), "--overlap", "--overcommit", f"--jobid={self.job}", f"--nodes={len(self.hosts)}",
                f"--ntasks={len(self.hosts)}", "--ntasks-per-node=1", f"--nodelist={','.join(self.hosts)}",
                "--input=all", "--job-name=monarch-token", "sh", "-c", script]
         try:
@@ -82,3 +87,4 @@ class SlurmLauncher:
 
     def subset(self, hosts: list[str]) -> SlurmLauncher:
         return SlurmLauncher(self.job, hosts)
+

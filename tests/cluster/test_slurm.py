@@ -1,17 +1,20 @@
 """Meshes inside a real Slurm allocation: `HostMesh.from_slurm()` under `salloc -N 2`, ranks started as a
-job step by `srun --mpi=pmi2` on the allocation's nodes, and the errors outside an allocation."""
+job step by `srun --mpi=pmi2` on the allocation's nodes, the errors outside an allocation, and `SlurmJob`,
+which submits a job with sbatch and takes its hosts from outside."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from testbed import Testbed
 
-from monarch.actor import HostMesh
+from monarch.actor import Actor, HostMesh, endpoint
 from monarch.errors import SpawnError
+from monarch.job import SlurmJob
 
 CONTROLLER = """
     import os, socket, sys, time, torch, monarch
@@ -42,6 +45,13 @@ CONTROLLER = """
 """
 
 
+class Where(Actor):
+    @endpoint
+    def where(self) -> tuple[str, int, str | None]:
+        import socket
+        return socket.gethostname(), int(os.environ.get("PMI_RANK", -1)), os.environ.get("SLURM_STEP_ID")
+
+
 def test_from_slurm_inside_salloc(slurm: Testbed) -> None:
     others = slurm.all_pids()
     done = subprocess.run(["salloc", "-N", "2", "--ntasks-per-node=2", "--quiet", sys.executable, "-c",
@@ -67,3 +77,29 @@ def test_from_slurm_outside_an_allocation_says_how(slurm: Testbed, monkeypatch: 
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
     with pytest.raises(SpawnError, match="salloc"):
         HostMesh.from_slurm()
+
+
+def test_slurm_job_from_outside_an_allocation(slurm: Testbed, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(k, raising=False)
+    others = slurm.all_pids()
+    job = SlurmJob(meshes={"trainers": 2, "loaders": 1}, time_limit="10")
+    try:
+        state = job.state()
+        assert len(state.trainers.hostnames) == 2 and len(state.loaders.hostnames) == 1
+        assert not set(state.trainers.hostnames) & set(state.loaders.hostnames)
+        with state.trainers.spawn_procs(per_host={"gpus": 2}) as procs, state.loaders.spawn_procs() as loaders:
+            where = procs.spawn("w", Where).where.call().get(timeout=60)
+            assert [h for _, (h, _, _) in where.items()] == [h for h in state.trainers.hostnames for _ in (0, 1)]
+            assert loaders.spawn("w", Where).where.call_one().get(timeout=60)[0] == state.loaders.hostnames[0]
+        again = SlurmJob.attach(job.job_id, {"all": 3}).state().all  # a later controller takes the hosts again
+        assert again.hostnames == sorted(state.trainers.hostnames + state.loaders.hostnames)
+        with pytest.raises(AttributeError, match="trainers"):
+            state.evaluators
+    finally:
+        job.kill()
+    deadline = time.monotonic() + 30
+    while subprocess.run(["squeue", "-h", "-j", job.job_id], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, "the job outlived kill()"
+        time.sleep(0.2)
+    assert not slurm.strays(others), slurm.strays(others)
