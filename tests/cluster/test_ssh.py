@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import socket
 import sys
 import time
@@ -210,3 +211,37 @@ def test_sync_workspace_ships_a_package_the_hosts_never_saw(tmp_path, testbed: T
         procs.stop()
         sys.modules.pop(pkg, None)
         sys.modules.pop(f"{pkg}.util", None)
+
+
+def test_a_controller_killed_by_sigkill_leaves_nothing_on_the_hosts(testbed: Testbed, others: set[int]) -> None:
+    script = ("from monarch.actor import HostMesh\n"
+              "p = HostMesh(['mh1', 'mh2']).spawn_procs(per_host={'gpus': 2})\n"
+              "print('up', flush=True)\n"
+              "import time; time.sleep(600)\n")
+    ctl = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert ctl.stdout is not None and ctl.stdout.readline().strip() == "up"
+        assert len(testbed.all_pids() - others) >= 4
+        ctl.kill()
+        ctl.wait(timeout=T)
+        assert not testbed.strays(others, timeout=15), testbed.strays(others)
+        deadline = time.monotonic() + 15  # nor here: mpiexec and its ssh clients
+        while _started_by(ctl.pid):
+            assert time.monotonic() < deadline, _started_by(ctl.pid)
+            time.sleep(0.1)
+    finally:
+        ctl.kill()
+        ctl.wait(timeout=T)
+
+
+def _started_by(owner: int) -> list[str]:
+    """Command lines of processes on this host that carry `--owner <owner>` (mpiexec and what it runs)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes() if d.name.isdigit() else b""
+        except OSError:
+            continue
+        if f"--owner\0{owner}\0".encode() in cmd:
+            found.append(cmd.replace(b"\0", b" ").decode())
+    return found
