@@ -1,4 +1,5 @@
-"""`python -m monarch` (also the `monarch` command): look into a running controller, write Kubernetes manifests.
+"""`python -m monarch` (also the `monarch` command): look into a running controller, write Kubernetes manifests,
+run an attach-mode worker agent.
 
   monarch query "SELECT ..."      run SQL over its telemetry and print a table
   monarch top [--once]            a live view: hosts, procs and actors, message rates, busy time,
@@ -10,10 +11,16 @@ Both attach to the newest controller of this user on this machine (or `--pid`), 
                                   print YAML for `kubectl apply -f -`: a headless Service and a StatefulSet
                                   of attach-mode workers (cluster/k8s.py); on stderr the addresses to pass
                                   to attach_to_workers (`--addresses`: only those, on stdout)
+
+  monarch worker [--listen tcp://HOST:PORT] [--secret-file F]
+                                  wait for controllers (attach_to_workers) and start their ranks here
+                                  (cluster/agent.py); the secret: F, else MONARCH_ATTACH_SECRET, else the
+                                  file MONARCH_ATTACH_SECRET_FILE
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from rich.console import Console
@@ -34,9 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     for s in (q, t):
         s.add_argument("--pid", type=int, help="the controller's pid (default: the newest)")
     _add_k8s(sub)
+    _add_worker(sub)
     a = p.parse_args(argv)
     if a.cmd == "k8s":
         return _k8s(a)
+    if a.cmd == "worker":
+        return _worker(a)
     from monarch.runtime.telemetry import top
     try:
         if a.cmd == "query":
@@ -95,6 +105,28 @@ def _k8s(a: argparse.Namespace) -> int:
         print(f"monarch: the pods need the Secret {secret!r}: kubectl -n {ns} create secret generic {secret} "
               f"--from-literal={k8s.SECRET_KEY}=\"$MONARCH_ATTACH_SECRET\"", file=sys.stderr)
     print(f"monarch: attach with workers={addresses!r}", file=sys.stderr)
+    return 0
+
+
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    """`monarch worker ...`: the arguments of monarch.cluster.agent.run_worker_loop_forever."""
+    w = sub.add_parser("worker", help="an attach-mode agent: wait for controllers and start their ranks here")
+    w.add_argument("--listen", default=f"tcp://0.0.0.0:{k8s.DEFAULT_PORT}",
+                   help=f"tcp://HOST:PORT to listen on (default tcp://0.0.0.0:{k8s.DEFAULT_PORT}; port 0 picks one)")
+    w.add_argument("--secret-file", help="a file holding the shared secret (default: MONARCH_ATTACH_SECRET, "
+                   "else the file MONARCH_ATTACH_SECRET_FILE)")
+
+
+def _worker(a: argparse.Namespace) -> int:
+    from monarch.cluster import agent, wire
+    logging.basicConfig(level=logging.INFO, format="monarch worker: %(message)s", stream=sys.stderr)
+    try:
+        agent.run_worker_loop_forever(a.listen, wire.read_secret_file(a.secret_file) if a.secret_file else None)
+    except MonarchError as e:
+        print(f"monarch worker: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
     return 0
 
 

@@ -5,6 +5,8 @@ endpoints with `call`, `call_one`, `choose`, `broadcast` and `stream`.
 """
 from __future__ import annotations
 
+from monarch.cluster.agent import run_worker_loop_forever
+from monarch.cluster.attach import attach_to_workers
 from monarch.errors import ActorError, SupervisionError
 from monarch.runtime.actors.actor_mesh import ActorMesh, EndpointRef
 from monarch.runtime.actors.endpoint import Actor, Endpoint, endpoint
@@ -17,6 +19,6 @@ from monarch.shape import Extent, Point, Shape
 
 __all__ = [
     "Actor", "ActorError", "ActorMesh", "Endpoint", "EndpointRef", "Extent", "Future", "HostMesh", "MeshFailure",
-    "Point", "ProcMesh", "Shape", "SupervisionError", "ValueMesh", "current_rank", "current_size", "endpoint",
-    "this_host",
+    "Point", "ProcMesh", "Shape", "SupervisionError", "ValueMesh", "attach_to_workers", "current_rank", "current_size",
+    "endpoint", "run_worker_loop_forever", "this_host",
 ]

@@ -10,6 +10,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+ATTACH_SECRET = "MONARCH_ATTACH_SECRET"  # attach mode's shared secret (cluster/agent.py keeps it from children)
+
+
 @dataclass(frozen=True)
 class Flag:
     name: str
@@ -48,6 +51,10 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_TELEMETRY_RETAIN", "100000", "telemetry rows kept per table on the controller; the oldest "
          "are dropped beyond it (0: keep all)"),
     Flag("MONARCH_MAX_LOCAL_PROCS", "", "most worker processes of one local mesh (default: 16 per core)"),
+    Flag(ATTACH_SECRET, "", "attach mode: the secret shared by the controller and the agents (`python -m monarch "
+         "worker`); agents keep it out of what they start"),
+    Flag("MONARCH_ATTACH_SECRET_FILE", "", "attach mode: a file holding that secret, read when "
+         "MONARCH_ATTACH_SECRET is unset (Kubernetes pods mount it from a Secret)"),
     Flag("MONARCH_WORKSPACE_DIR", "~/.cache/monarch/workspaces", "where workers keep the copies sync_workspace "
          "makes: <dir>/<hostname>/<name>-<hash of the source path>"),
 ]}
@@ -191,6 +198,14 @@ def max_local_procs() -> int:
 def workspace_dir() -> str:
     """MONARCH_WORKSPACE_DIR with `~` expanded (read on the workers, which keep the copies)."""
     return os.path.expanduser(_str("MONARCH_WORKSPACE_DIR"))
+
+
+def attach_secret() -> str:
+    return _str(ATTACH_SECRET)
+
+
+def attach_secret_file() -> str:
+    return _str("MONARCH_ATTACH_SECRET_FILE")
 
 
 def _table(flags: dict[str, Flag], width: int) -> str:

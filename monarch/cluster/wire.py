@@ -1,0 +1,179 @@
+"""Attach mode's wire, both ends: the shared secret, agent addresses, the handshake and the commands.
+
+A connection opens with a mutual handshake: each side proves it knows the shared secret with an
+HMAC-SHA256 of the other's fresh nonce, compared in constant time before anything else is read. Then
+codec frames (pickles, decoded only after the handshake) carry the frozen commands and replies below.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from monarch import config
+from monarch.cluster.k8s import DEFAULT_PORT
+from monarch.errors import SpawnError
+from monarch.runtime.control import codec
+
+MAGIC = b"MNA1"
+NONCE_BYTES = MAC_BYTES = 32
+CONTEXT = b"monarch attach mode v1: "  # what each MAC is about, so that it proves nothing elsewhere
+AUTH_DEADLINE_S = 1.0  # an unauthenticated peer has this long, in all, to prove it knows the secret
+MAX_FRAME = 1 << 20  # commands are small
+_ADDRESS = re.compile(r"tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]\s]+)(?::(\d{1,5}))?/?\Z")
+_LEN = struct.Struct("!I")  # a frame's length prefix (codec.encode_frame)
+
+
+# -- commands: controller -> agent ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Launch:
+    """Start `argv` (a Hydra proxy's command line) in its own session; answered by Launched or Failed."""
+    id: int
+    argv: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class WriteToken:
+    """Write the mesh token (hex) into one 0600 file per rank in `directory`; answered by Written or Failed."""
+    id: int
+    directory: str
+    ranks: tuple[int, ...]
+    token: str
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Kill the process trees of `pids`, or of everything started for this controller when empty."""
+    pids: tuple[int, ...] = ()
+
+
+# -- replies: agent -> controller -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Attached:
+    hostname: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Launched:
+    id: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Written:
+    id: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Exited:
+    pid: int
+    status: int
+
+
+# -- the secret, addresses and the handshake (both sides) -------------------------------------------
+def resolve_secret(secret: str | bytes | None = None) -> bytes:
+    """`secret`, else MONARCH_ATTACH_SECRET, else the file named by MONARCH_ATTACH_SECRET_FILE."""
+    if secret is None:
+        secret = config.attach_secret() or read_secret_file(config.attach_secret_file())
+    value = secret.encode() if isinstance(secret, str) else secret
+    if not value:
+        raise SpawnError("attach mode needs a shared secret and none was given: pass secret=..., or set "
+                         "MONARCH_ATTACH_SECRET, or MONARCH_ATTACH_SECRET_FILE to a file holding it (the same "
+                         "secret on the controller and on every agent)")
+    return value
+
+
+def read_secret_file(path: str) -> str:
+    """The secret in file `path` without surrounding whitespace; "" when no file is named."""
+    if not path:
+        return ""
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        raise SpawnError(f"cannot read the attach-mode secret from {path}: {e}") from None
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """(host, port) of `tcp://HOST:PORT` (PORT defaults to the agent's port, HOST may be [IPv6])."""
+    m = _ADDRESS.match(address)
+    if not m:
+        raise SpawnError(f"{address!r} is not an attach-mode address; write tcp://HOST:PORT, e.g. "
+                         f"tcp://node1:{DEFAULT_PORT}")
+    return m[1].strip("[]"), int(m[2]) if m[2] else DEFAULT_PORT
+
+
+def _mac(secret: bytes, side: bytes, theirs: bytes, mine: bytes) -> bytes:
+    return hmac.new(secret, CONTEXT + side + theirs + mine, hashlib.sha256).digest()
+
+
+def accept_controller(sock: socket.socket, secret: bytes) -> bool:
+    """The agent's half: send a nonce, check the peer's MAC of it, answer with ours of the peer's nonce.
+    False for a wrong proof; OSError (TimeoutError, ConnectionError) for a slow, silent or gone peer."""
+    deadline = time.monotonic() + AUTH_DEADLINE_S
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(MAGIC + nonce)
+    answer = recv_exact(sock, len(MAGIC) + NONCE_BYTES + MAC_BYTES, deadline)
+    theirs, mac = answer[len(MAGIC):-MAC_BYTES], answer[-MAC_BYTES:]
+    if not hmac.compare_digest(mac, _mac(secret, b"controller", nonce, theirs)) or answer[:len(MAGIC)] != MAGIC:
+        return False
+    sock.sendall(_mac(secret, b"agent", theirs, nonce))
+    return True
+
+
+def prove_to_agent(sock: socket.socket, secret: bytes, deadline: float) -> None:
+    """The controller's half: prove we know the secret, then check that the agent does too (before any
+    command goes to it). SpawnError when it does not; OSError for a slow or gone peer."""
+    hello = recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
+    if hello[:len(MAGIC)] != MAGIC:
+        raise SpawnError("it is not a monarch attach-mode agent (it did not greet as one)")
+    mine = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(MAGIC + mine + _mac(secret, b"controller", hello[len(MAGIC):], mine))
+    try:
+        proof = recv_exact(sock, MAC_BYTES, deadline)
+    except ConnectionError:
+        raise SpawnError("it closed the connection on our proof: its secret is another than ours (check "
+                         "MONARCH_ATTACH_SECRET or MONARCH_ATTACH_SECRET_FILE on both ends)") from None
+    if not hmac.compare_digest(proof, _mac(secret, b"agent", mine, hello[len(MAGIC):])):
+        raise SpawnError("it does not know the secret (an impostor, or an agent with another secret); nothing "
+                         "was sent to it")
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """`n` bytes from `sock`; TimeoutError once `deadline` (time.monotonic) passed, however they trickle in."""
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{len(buf)} of {n} bytes arrived before the deadline")
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_message(sock: socket.socket, deadline: float) -> Any:
+    """The first message of the next frame (after the handshake only: frames are pickles)."""
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))
+    if n > MAX_FRAME:
+        raise ConnectionError(f"a frame of {n} bytes is over the limit of {MAX_FRAME}")
+    return codec.decode_frame(recv_exact(sock, n, deadline))[0]
