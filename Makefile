@@ -1,5 +1,5 @@
 # make demo: create .venv, install monarch, run the main example on a local 4-process mesh.
-# make test: create/update .venv, run the whole test suite (but the cluster tier).
+# make test: create/update .venv, run the whole test suite but the cluster tier (marked `cluster`).
 # make test-cluster: the cluster tier (tests/cluster): meshes across test hosts made of network namespaces
 #   with a real sshd and Slurm (needs root and .ci/cluster-packages; skips with one line otherwise).
 VENV   ?= .venv
@@ -19,14 +19,14 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/cluster
+	$(PY) -m pytest -q -p no:cacheprovider -m "not cluster"
 
 $(VENV)/.installed-cluster: $(VENV)/.installed
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,cluster]'
 	touch $@
 
 test-cluster: $(VENV)/.installed-cluster
-	$(PY) -m pytest -q -p no:cacheprovider tests/cluster
+	$(PY) -m pytest -q -p no:cacheprovider -m cluster tests/cluster
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/actors.py

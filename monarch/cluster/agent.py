@@ -34,6 +34,7 @@ log = logging.getLogger("monarch.agent")
 
 MAX_HANDSHAKES = 16  # connections authenticating at once; more are closed unanswered
 SWEEP_S = 1.0  # how often an attached agent reaps the orphans of what it started
+END_WAIT_S = 10.0  # how long a new controller waits for the cleanup after the previous one left
 _TOKEN_DIR = re.compile(r"monarch-token-[0-9a-f]+\Z")
 
 
@@ -114,11 +115,15 @@ class Agent:
                 self._serve(session)
 
     def _claim(self, sock: socket.socket, peer: str) -> Session | None:
+        """The new controller's session, or None once it is refused: another one is attached. One whose
+        connection has closed and is being cleaned up is waited for (up to END_WAIT_S), not counted."""
         with self._lock:
             current = self.session
             if current is None:
                 self.session = Session(sock, peer)
                 return self.session
+        if current.ending.is_set() and current.ended.wait(END_WAIT_S):
+            return self._claim(sock, peer)
         log.info("refused controller %s: attached to %s", peer, current.peer)
         with suppress(OSError):
             sock.sendall(codec.encode_frame([Refused(
@@ -131,9 +136,11 @@ class Agent:
         try:
             session.serve()
         finally:
+            session.ending.set()
             session.end()
             with self._lock:
                 self.session = None
+            session.ended.set()
             log.info("controller %s detached; what it started is gone, waiting for the next one", session.peer)
 
 
@@ -146,6 +153,8 @@ class Session:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.token_dirs: set[str] = set()
         self._send_lock = threading.Lock()
+        self.ending = threading.Event()  # the connection closed: what it started is being killed
+        self.ended = threading.Event()  # ... and the agent is free
 
     def send(self, msg: Any) -> None:
         with self._send_lock, suppress(OSError):  # the controller is gone: serve() sees it too

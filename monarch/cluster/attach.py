@@ -263,6 +263,11 @@ class AttachLauncher:
         by_host = {link.host: link for link in self.links}
         return AttachLauncher([by_host[h] for h in hosts])
 
+    def release(self) -> None:
+        """Let the agents go: each kills what it still runs for us and waits for the next controller."""
+        for link in self.links:
+            _forget(link)
+
 
 def _proxy_commands(proc: subprocess.Popen[bytes], deadline: float, hosts: int) -> list[list[str]]:
     """The proxies' command lines that `mpiexec -launcher manual` prints, in proxy-id (= host) order. Read

@@ -85,6 +85,9 @@ class SlurmLauncher:
             raise SpawnError(f"could not hand the mesh token to the allocation's nodes {self.hosts} with srun "
                              f"(job {self.job}): {done.stderr.strip()}")
 
+    def release(self) -> None:
+        return None  # nothing is held between meshes
+
     def subset(self, hosts: list[str]) -> SlurmLauncher:
         return SlurmLauncher(self.job, hosts)
 

@@ -91,5 +91,8 @@ class SshLauncher:
                                  f"over the mesh token: {err.decode(errors='replace').strip()}; check that "
                                  f"`{config.ssh()} {host} true` works without a prompt")
 
+    def release(self) -> None:
+        return None  # nothing is held between meshes
+
     def subset(self, hosts: list[str]) -> SshLauncher:
         return SshLauncher(hosts)

@@ -1,7 +1,8 @@
 """The cluster tier's test hosts: one testbed (network namespaces with sshd and Slurm) for the session.
 
-Without root (or the Debian packages) every test here that needs hosts skips with one line. MPICH moves
-data over its OFI netmod in this tier, so that bytes between ranks of different hosts cross the veths.
+Tests that use it are marked `cluster` (`make test-cluster` runs them, `make test` leaves them out); without
+root (or the Debian packages) they skip with one line. MPICH moves data over its OFI netmod in this tier,
+so that bytes between ranks of different hosts cross the veths.
 """
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import pytest
 from testbed import Testbed, can_run, can_slurm
 
 TIER_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "testbed" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
 
 
 @pytest.fixture(scope="session")

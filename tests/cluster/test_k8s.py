@@ -12,12 +12,17 @@ from typing import Any
 
 import pytest
 
-kv = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate is not installed "
-                         "(pip install -e '.[cluster]'): Kubernetes manifests not validated")
-import yaml  # noqa: E402  (PyYAML comes with kubernetes-validate)
+from monarch.cluster import k8s
+from monarch.errors import MonarchError
 
-from monarch.cluster import k8s  # noqa: E402
-from monarch.errors import MonarchError  # noqa: E402
+try:
+    import kubernetes_validate.utils as kv
+    import yaml  # PyYAML comes with kubernetes-validate
+except ImportError:
+    kv = yaml = None
+
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(kv is None, reason="kubernetes-validate is not installed "
+                                                      "(pip install -e '.[cluster]'): manifests not validated")]
 
 ROOT = Path(__file__).resolve().parents[2]
 T = 60

@@ -81,6 +81,13 @@ class HostMesh(MeshView):
         self._workspaces = [w for w in self._workspaces if w[0] != root] + [(root, reload)]
         return [p.sync_workspace(root, reload=reload) for p in list(self._procs) if p.running]
 
+    def shutdown(self) -> None:
+        """Stop every proc mesh spawned from this host mesh and give its hosts back (attach-mode agents go
+        back to waiting for a controller). On a slice: the proc meshes spawned from it, and its hosts."""
+        for procs in list(self._procs):
+            procs.stop()
+        self._launcher.release()
+
     def __repr__(self) -> str:
         return f"<HostMesh {self._hosts}>"
 

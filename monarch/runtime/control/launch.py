@@ -65,6 +65,9 @@ class Launcher(Protocol):
         """Write the mesh token for each rank on its host (`token_script`), before the job starts; only
         launchers of other hosts are asked. Raises SpawnError when a host cannot be reached."""
 
+    def release(self) -> None:
+        """Give back what the launcher holds on its hosts (`HostMesh.shutdown`); proc meshes are stopped."""
+
 
 class LocalLauncher:
     """Every rank on this host, forked by mpiexec (the `this_host()` case)."""
@@ -86,6 +89,9 @@ class LocalLauncher:
 
     def hand_over(self, token: str, directory: str, per_host: int) -> None:
         raise AssertionError("the controller writes the token files of ranks on its own host")
+
+    def release(self) -> None:
+        return None
 
 
 def addresses(launcher: Launcher, bind: str | None) -> tuple[str, str]:
