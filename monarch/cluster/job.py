@@ -41,8 +41,8 @@ class SlurmJob:
         if self.job_id:
             return
         nodes = sum(self.meshes.values())
-        cmd = [slurm.tool("sbatch"), "--parsable", f"--nodes={nodes}", "--ntasks-per-node=1", f"--job-name={self._name}",
-               "--output=/dev/null", *self._args, "--wrap", "exec sleep infinity"]
+        cmd = [slurm.tool("sbatch"), "--parsable", f"--nodes={nodes}", "--ntasks-per-node=1",
+               f"--job-name={self._name}", "--output=/dev/null", *self._args, "--wrap", "exec sleep infinity"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         if done.returncode:
             raise SpawnError(f"sbatch refused the job ({' '.join(cmd)}): {done.stderr.strip()}")

@@ -130,7 +130,7 @@ def accept_controller(sock: socket.socket, secret: bytes) -> bool:
     deadline = time.monotonic() + AUTH_DEADLINE_S
     nonce = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(MAGIC + nonce)
-    answer = recv_exact(sock, len(MAGIC) + NONCE_BYTES + MAC_BYTES, deadline)
+    answer = codec.recv_exact(sock, len(MAGIC) + NONCE_BYTES + MAC_BYTES, deadline)
     theirs, mac = answer[len(MAGIC):-MAC_BYTES], answer[-MAC_BYTES:]
     if not hmac.compare_digest(mac, _mac(secret, b"controller", nonce, theirs)) or answer[:len(MAGIC)] != MAGIC:
         return False
@@ -141,13 +141,13 @@ def accept_controller(sock: socket.socket, secret: bytes) -> bool:
 def prove_to_agent(sock: socket.socket, secret: bytes, deadline: float) -> None:
     """The controller's half: prove we know the secret, then check that the agent does too (before any
     command goes to it). SpawnError when it does not; OSError for a slow or gone peer."""
-    hello = recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
+    hello = codec.recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
     if hello[:len(MAGIC)] != MAGIC:
         raise SpawnError("it is not a monarch attach-mode agent (it did not greet as one)")
     mine = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(MAGIC + mine + _mac(secret, b"controller", hello[len(MAGIC):], mine))
     try:
-        proof = recv_exact(sock, MAC_BYTES, deadline)
+        proof = codec.recv_exact(sock, MAC_BYTES, deadline)
     except ConnectionError:
         raise SpawnError("it closed the connection on our proof: its secret is another than ours (check "
                          "MONARCH_ATTACH_SECRET or MONARCH_ATTACH_SECRET_FILE on both ends)") from None
@@ -156,24 +156,9 @@ def prove_to_agent(sock: socket.socket, secret: bytes, deadline: float) -> None:
                          "was sent to it")
 
 
-def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """`n` bytes from `sock`; TimeoutError once `deadline` (time.monotonic) passed, however they trickle in."""
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{len(buf)} of {n} bytes arrived before the deadline")
-        sock.settimeout(left)
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the peer closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
 def read_message(sock: socket.socket, deadline: float) -> Any:
     """The first message of the next frame (after the handshake only: frames are pickles)."""
-    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))
+    (n,) = _LEN.unpack(codec.recv_exact(sock, _LEN.size, deadline))
     if n > MAX_FRAME:
         raise ConnectionError(f"a frame of {n} bytes is over the limit of {MAX_FRAME}")
-    return codec.decode_frame(recv_exact(sock, n, deadline))[0]
+    return codec.decode_frame(codec.recv_exact(sock, n, deadline))[0]

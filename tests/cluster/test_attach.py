@@ -31,6 +31,7 @@ from monarch.actor import Actor, ProcMesh, current_rank, endpoint
 from monarch.cluster import wire
 from monarch.cluster.agent import descendants
 from monarch.cluster.attach import AgentLink, attach_to_workers, detach
+from monarch.runtime.control import codec
 from monarch.runtime.control.launch import REMOTE_TOKEN_ROOT
 
 T = 30.0  # bound of every wait
@@ -74,7 +75,8 @@ def start_agent(ip: str, log: Path) -> Agent:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_ATTACH_SECRET")}
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "monarch", "worker", "--listen", f"tcp://{ip}:0"],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env | {"MONARCH_ATTACH_SECRET": SECRET})
+                                stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=env | {"MONARCH_ATTACH_SECRET": SECRET})
     assert select.select([proc.stdout], [], [], T)[0], f"the agent on {ip} printed nothing: {log.read_text()}"
     line = proc.stdout.readline().strip()  # type: ignore[union-attr]
     assert line.startswith(f"monarch worker listening on tcp://{ip}:"), (line, log.read_text())
@@ -189,7 +191,7 @@ def test_an_impostor_agent_gets_no_command() -> None:
             conn.settimeout(T)
             nonce = os.urandom(wire.NONCE_BYTES)
             conn.sendall(wire.MAGIC + nonce)
-            answer = wire.recv_exact(conn, len(wire.MAGIC) + wire.NONCE_BYTES + wire.MAC_BYTES, time.monotonic() + T)
+            answer = codec.recv_exact(conn, len(wire.MAGIC) + wire.NONCE_BYTES + wire.MAC_BYTES, time.monotonic() + T)
             conn.sendall(wire._mac(b"another secret", b"agent", answer[4:4 + wire.NONCE_BYTES], nonce))
             while chunk := conn.recv(65536):
                 received.append(chunk)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hmac
 import pickle
+import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -148,3 +150,20 @@ def dumps_data(obj: Any) -> bytes:
 
 def loads(data: bytes) -> Any:
     return pickle.loads(data)
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes from a blocking `sock`; TimeoutError once `deadline` (time.monotonic) has passed, however
+    the bytes trickle in (a handshake's deadline, which a slow peer cannot stretch)."""
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(buf)} of {n} bytes arrived before the deadline")
+            sock.settimeout(left)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        buf += chunk
+    return bytes(buf)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from monarch import config
+from monarch.runtime.control import codec
 from monarch.runtime.telemetry.store import Rows
 
 TOKEN_BYTES = 32
@@ -50,27 +51,10 @@ def send_json(sock: socket.socket, obj: Any) -> None:
 
 
 def recv_json(sock: socket.socket, limit: int = 1 << 30, deadline: float | None = None) -> Any:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+    (n,) = _LEN.unpack(codec.recv_exact(sock, _LEN.size, deadline))
     if n > limit:
         raise ValueError(f"a message of {n} bytes is over the limit of {limit}")
-    return json.loads(_recv_exact(sock, n, deadline))
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    """`n` bytes from `sock`; TimeoutError once `deadline` (time.monotonic) has passed, however the
-    bytes trickle in."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{len(buf)} of {n} bytes arrived before the deadline")
-            sock.settimeout(left)
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the peer closed the connection")
-        buf += chunk
-    return bytes(buf)
+    return json.loads(codec.recv_exact(sock, n, deadline))
 
 
 class AdminServer:
@@ -115,7 +99,7 @@ class AdminServer:
             self._slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
-        token = _recv_exact(conn, TOKEN_BYTES, time.monotonic() + TOKEN_DEADLINE_S)
+        token = codec.recv_exact(conn, TOKEN_BYTES, time.monotonic() + TOKEN_DEADLINE_S)
         if not hmac.compare_digest(token, self.token):
             return
         request = recv_json(conn, MAX_REQUEST, time.monotonic() + REQUEST_DEADLINE_S)
