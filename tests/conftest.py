@@ -6,34 +6,15 @@ process (mpiexec, monitor or worker) that does not belong to a mesh still open i
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from processes import owned_processes
 
 from monarch.actor import ProcMesh, this_host
 from monarch.runtime.control.controller import controller
-
-
-def owned_processes(owner: int) -> dict[int, str]:
-    """pid -> command line of live processes started for controller `owner`."""
-    mark = f"--owner\0{owner}\0"
-    found = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
-            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if mark in cmd and state != "Z":
-            found[int(d.name)] = cmd.replace("\0", " ")
-    return found
 
 
 def _open_mesh_pids() -> set[int]:
@@ -63,12 +44,6 @@ def leftovers(owner: int, allowed: set[int], timeout: float = 10.0) -> dict[int,
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
-
-
-def run_script(body: str) -> subprocess.Popen:
-    """Run `body` (dedented) as a separate controller process, its stdout piped back as text."""
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.skipif(kv is None, reason="kubern
 
 ROOT = Path(__file__).resolve().parents[2]
 T = 60
-VERSIONS = ("1.30.0", kv.latest_version())
+VERSIONS = ("1.30.0", kv.latest_version()) if kv else ()
 CASES = [
     dict(name="w", replicas=1, image="trainer:1"),
     dict(name="monarch-workers", replicas=4, image="ghcr.io/acme/trainer:2.1", gpus=2, namespace="ml-team"),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import owned_processes
 from testbed import Testbed
 
 import monarch
@@ -226,22 +227,10 @@ def test_a_controller_killed_by_sigkill_leaves_nothing_on_the_hosts(testbed: Tes
         ctl.wait(timeout=T)
         assert not testbed.strays(others, timeout=15), testbed.strays(others)
         deadline = time.monotonic() + 15  # nor here: mpiexec and its ssh clients
-        while _started_by(ctl.pid):
-            assert time.monotonic() < deadline, _started_by(ctl.pid)
+        while owned_processes(ctl.pid):
+            assert time.monotonic() < deadline, owned_processes(ctl.pid)
             time.sleep(0.1)
     finally:
         ctl.kill()
         ctl.wait(timeout=T)
 
-
-def _started_by(owner: int) -> list[str]:
-    """Command lines of processes on this host that carry `--owner <owner>` (mpiexec and what it runs)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        try:
-            cmd = (d / "cmdline").read_bytes() if d.name.isdigit() else b""
-        except OSError:
-            continue
-        if f"--owner\0{owner}\0".encode() in cmd:
-            found.append(cmd.replace(b"\0", b" ").decode())
-    return found

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import owned_processes, run_script
+from processes import owned_processes, run_script
 
 from monarch.actor import Actor, MeshFailure, endpoint, this_host
 from monarch.errors import SpawnError, SupervisionError

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import owned_processes
+from processes import owned_processes
 
 from monarch.actor import Actor, endpoint, this_host
 from monarch.errors import SupervisionError

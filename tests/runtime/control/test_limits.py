@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import owned_processes
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from processes import owned_processes
 
 import monarch
 from monarch.actor import Actor, ActorMesh, ProcMesh, endpoint, this_host

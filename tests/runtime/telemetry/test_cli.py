@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_script
+from processes import run_script
 from rich.console import Console
 from textual.widgets import Static
 

@@ -290,7 +290,7 @@ def test_the_readme_documents_every_column() -> None:
 
 
 def test_each_table_keeps_the_newest_rows_within_the_retention(monkeypatch: pytest.MonkeyPatch) -> None:
-    from conftest import run_script
+    from processes import run_script
     monkeypatch.setenv("MONARCH_TELEMETRY_RETAIN", "1000")  # the child controller's
     child = run_script("""
         import json, time

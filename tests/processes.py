@@ -1,0 +1,32 @@
+"""Helpers for tests that look at processes: the workers a controller started, and a controller run as a
+separate process. Imported by name (`from processes import ...`); tests/conftest.py uses them too."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+
+def owned_processes(owner: int) -> dict[int, str]:
+    """pid -> command line of live processes started for controller `owner`."""
+    mark = f"--owner\0{owner}\0"
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if mark in cmd and state != "Z":
+            found[int(d.name)] = cmd.replace("\0", " ")
+    return found
+
+
+def run_script(body: str) -> subprocess.Popen:
+    """Run `body` (dedented) as a separate controller process, its stdout piped back as text."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ))
