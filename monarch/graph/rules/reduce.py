@@ -1,4 +1,5 @@
-"""Rules for reductions: sum, mean, prod, amax/amin, max/min, argmax/argmin, var/std, any/all.
+"""Rules for reductions (sum, mean, prod, amax/amin, max/min, argmax/argmin, var/std, any/all) and for
+ops along one dim (cumulative scans, sorts, topk, kthvalue, median, mode: shardable on every other dim).
 
 A dim that is not reduced keeps its shard (renumbered when keepdim=False). Over a sharded reduced dim,
 ops that combine per-piece results run on each piece and leave a Partial output: sum and mean give
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from monarch.graph.rules.common import aten
+from monarch.graph.rules.common import kept as kept_dims
 from monarch.graph.rules.table import Emit, Emitter, OpCall, OpOverload, Strategy, op_name, register_rule
 from monarch.program.instr import Local
 from monarch.tensor.placement import P, Partial, Shard
@@ -26,7 +28,8 @@ COMBINE: dict[OpOverload, Partial] = {
 }
 # ops that must see a reduced dim whole
 GATHER = sorted([
-    aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim,
+    aten.argmax.default, aten.argmin.default, aten.max.dim, aten.median.default, aten.min.dim,
+    aten.nanmedian.default,
     aten.std.correction, aten.std.default, aten.std.dim, aten.std_mean.correction, aten.std_mean.default,
     aten.std_mean.dim, aten.var.correction, aten.var.default, aten.var.dim, aten.var_mean.correction,
     aten.var_mean.default, aten.var_mean.dim,
@@ -119,3 +122,39 @@ for _op in sorted(COMBINE, key=str):
     register_rule(_op)(combined)
 for _op in GATHER:
     register_rule(_op)(kept)
+
+
+# -- along one dim ----------------------------------------------------------------------------------
+ALONG = sorted([
+    aten.argsort.default, aten.argsort.stable, aten.cummax.default, aten.cummin.default, aten.cumprod.default,
+    aten.cumsum.default, aten.kthvalue.default, aten.logcumsumexp.default, aten.median.dim, aten.mode.default,
+    aten.nanmedian.dim, aten.sort.default, aten.sort.stable, aten.topk.default,
+], key=str)
+LINEAR_ALONG = {aten.cumsum.default}
+
+
+def schema_arg(call: OpCall, name: str, absent: object) -> object:
+    """Argument `name` as passed or as the schema defaults it (`absent` when the op has no such argument)."""
+    args = call.op._schema.arguments
+    i = next((k for k, a in enumerate(args) if a.name == name), None)
+    if i is None:
+        return absent
+    default = args[i].default_value if args[i].has_default_value() else None
+    return call.arg(i, name, default)
+
+
+def along(call: OpCall, mdim: int) -> list[Strategy]:
+    """Every dim but the op's `dim` keeps its shard on every output (renumbered when keepdim=False drops
+    it); cumsum is linear, so a Partial input passes through."""
+    x = call.ins[0]
+    dim = int(schema_arg(call, "dim", -1)) % max(x.ndim, 1)
+    drops = not schema_arg(call, "keepdim", True)
+    n_out = len(call.outs)
+    strategies = [Strategy((Shard(k),), (Shard(v),) * n_out) for k, v in kept_dims(x.ndim, dim, drops).items()]
+    if call.op in LINEAR_ALONG and x.placements[mdim] == P:
+        strategies.append(Strategy((P,), (P,)))
+    return strategies
+
+
+for _op in ALONG:
+    register_rule(_op)(along)
