@@ -6,6 +6,7 @@ wrapper holds no storage: only the global shape, stride and dtype, the Spec and 
 """
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -150,3 +151,21 @@ def _tensor_args(args: tuple, kwargs: dict | None) -> Iterator[MeshTensor]:
             yield a
         elif isinstance(a, (list, tuple)):
             yield from (b for b in a if type(b) is MeshTensor)
+
+
+def _run_eagerly_under_torch_compile(*classes: type) -> None:
+    """torch.compile (Dynamo) runs MeshTensor's methods as they are, and all they call: it graph-breaks
+    at them instead of tracing the recording machinery (whose ops it cannot capture anyway)."""
+    frames = getattr(torch._C, "_dynamo", None)
+    if frames is None:
+        return
+    e = frames.eval_frame
+    skip = e._FrameExecStrategy(e._FrameAction.SKIP, e._FrameAction.SKIP)
+    for cls in classes:
+        for f in vars(cls).values():
+            f = getattr(f, "__func__", getattr(f, "fget", f))
+            if isinstance(f, types.FunctionType):
+                e.set_code_exec_strategy(f.__code__, skip)
+
+
+_run_eagerly_under_torch_compile(MeshTensor, _Redistribute)
