@@ -1,21 +1,189 @@
 """Decompositions: ops recorded as several simpler ops instead of having a sharding rule of their own.
 
-The `_foreach_*` ops of the optimizers take lists of tensors, each with its own placements; they run as
-one plain op per element (list arguments are zipped, the others shared), so every element gets the
-placements its own rule picks.
+The `_foreach_*` ops of the optimizers run as one plain op per element (list arguments zipped, the others
+shared), so every element gets the placements its own rule picks. Any other op without a rule but with
+an entry in torch's decomposition table is recorded as the ops of that decomposition, when a dry run on
+meta tensors shows that every op it reaches has a rule (or such a decomposition itself, a few levels deep).
+Batch norm has its own (`norms.py`): reductions whose statistics are all_reduced over a sharded batch.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch._decomp
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from monarch import config
+from monarch.errors import UnsupportedOpError
+from monarch.graph.norms import NORMS
+from monarch.graph.rules.table import rule_for
+
+OpOverload = torch._ops.OpOverload
+MAX_DEPTH = 6   # decompositions inside decompositions
+MAX_OPS = 96    # a decomposition recording more ops than this is too slow to be worth it (a Python loop)
+EXCLUDED = frozenset({"aten::_to_copy", "aten::lift_fresh", "aten::detach"})  # recorded as they are
+_depth = contextvars.ContextVar("monarch_decompose_depth", default=0)
+_refused: contextvars.ContextVar[frozenset[OpOverload]] = contextvars.ContextVar("monarch_decompose_refused",
+                                                                                 default=frozenset())
+Decomposition = Callable[..., Any]
+
+
+def decomposition(op: OpOverload) -> Decomposition | None:
+    """How to run `op` as simpler ops, or None when it is recorded as it is."""
+    if op in _refused.get() or rule_for(op) is not None or _depth.get() >= MAX_DEPTH:
+        return None
+    own = NORMS.get(op)
+    return functools.partial(_own, own) if own is not None else _foreach(op) or _generic(op)
+
+
+def _own(fn: Decomposition, *args: Any, **kwargs: Any) -> Any:
+    with _deeper():
+        return fn(*args, **kwargs)
 
 
 @functools.cache
-def decomposition(op: torch._ops.OpOverload) -> Callable[..., Any] | None:
-    """How to run `op` as simpler ops, or None when it is recorded as it is."""
+def _generic(op: OpOverload) -> Decomposition | None:
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        fn = op.decompose  # what torch itself runs it as (e.g. reshape, to.dtype reaching a tensor subclass)
+    else:
+        fn = torch._decomp.decomposition_table.get(op)
+        if fn is None or not _decomposable(op):
+            return None
+    return functools.partial(_checked, op, fn)
+
+
+def _decomposable(op: OpOverload) -> bool:
+    """Ops whose decomposition keeps their meaning on a mesh: tensor results, no views (a view must alias
+    its base), no random draws (their numbers come from monarch's own seeded stream)."""
+    returns = op._schema.returns
+    if not returns or str(op._schema.name) in EXCLUDED or torch.Tag.nondeterministic_seeded in op.tags:
+        return False
+    if any(not isinstance(r.type, torch.TensorType) for r in returns):
+        return False
+    return all(r.alias_info is None or r.alias_info.is_write for r in returns)
+
+
+def _checked(op: OpOverload, fn: Decomposition, *args: Any, **kwargs: Any) -> Any:
+    """Run `fn` on the MeshTensors when its dry run is covered by rules, else record `op` as it is."""
+    missing = _dry_run(op, fn, args, kwargs)
+    if missing is None:
+        with _deeper():
+            return fn(*args, **kwargs)
+    if config.strict():
+        raise UnsupportedOpError(f"{op.name()}: no sharding rule, and its decomposition needs {missing}, which has "
+                                 "none; register one with @register_rule in monarch/graph/rules/<family>.py, or "
+                                 "unset MONARCH_STRICT to run it replicated")
+    token = _refused.set(_refused.get() | {op})
+    try:
+        return op(*args, **kwargs)
+    finally:
+        _refused.reset(token)
+
+
+@contextmanager
+def _deeper() -> Iterator[None]:
+    token = _depth.set(_depth.get() + 1)
+    try:
+        yield
+    finally:
+        _depth.reset(token)
+
+
+def _dry_run(op: OpOverload, fn: Decomposition, args: tuple, kwargs: dict) -> str | None:
+    """What the decomposition reaches that has neither a rule nor a usable decomposition (None: nothing),
+    found by running it on meta tensors of the same shapes."""
+    key = _signature(op, args, kwargs)
+    if key is not None and key in _verdicts:
+        return _verdicts[key]
+    probe = _Probe()
+    try:
+        with probe:
+            if fn(*_meta(args), **_meta(kwargs)) is NotImplemented:
+                probe.missing = probe.missing or f"{op.name()} (its decomposition declines these arguments)"
+    except Exception as e:  # noqa: BLE001 - the decomposition cannot run on these arguments
+        probe.missing = probe.missing or f"a working decomposition ({type(e).__name__}: {str(e)[:80]})"
+    if probe.ops > MAX_OPS:
+        probe.missing = f"fewer than {MAX_OPS} ops (it records {probe.ops})"
+    if key is not None:
+        _verdicts[key] = probe.missing
+    return probe.missing
+
+
+_verdicts: dict[Any, str | None] = {}
+
+
+class _Probe(TorchDispatchMode):
+    """Follows a decomposition on meta tensors: ops with rules run, the others decompose again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.missing: str | None = None
+        self.ops = 0
+        self.depth = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        self.ops += 1
+        if rule_for(func) is not None or not _takes_tensors(args, kwargs) or self.missing is not None:
+            return func(*args, **kwargs)
+        inner = NORMS.get(func) or _foreach(func) or _inner(func)
+        if inner is None or self.depth >= MAX_DEPTH:
+            self.missing = self.missing or str(func.name())
+            return func(*args, **kwargs)
+        self.depth += 1
+        try:
+            with self:
+                out = inner(*args, **kwargs)
+        finally:
+            self.depth -= 1
+        if out is NotImplemented:
+            self.missing = self.missing or f"{func.name()} (its decomposition declines these arguments)"
+            return func(*args, **kwargs)
+        return out
+
+
+def _inner(op: OpOverload) -> Decomposition | None:
+    fn = _generic(op)
+    return fn.args[1] if isinstance(fn, functools.partial) else None
+
+
+def _takes_tensors(args: tuple, kwargs: dict) -> bool:
+    found: list[bool] = []
+    tree_map(lambda x: found.append(isinstance(x, torch.Tensor)), (args, kwargs))
+    return any(found)
+
+
+def _meta(obj: Any) -> Any:
+    """`obj` with every tensor (MeshTensor or plain) replaced by an empty meta tensor of its layout."""
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta", requires_grad=False)
+    return tree_map(one, obj)
+
+
+def _signature(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """A hashable key of the call's shapes, dtypes and other arguments (None: some argument is unhashable)."""
+    def one(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), x.stride(), x.dtype)
+        return x
+    try:
+        key = (op, tree_map(one, (args, tuple(sorted(kwargs.items())))))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+@functools.cache
+def _foreach(op: OpOverload) -> Decomposition | None:
     name = op._schema.name.removeprefix("aten::")
     if not name.startswith("_foreach_"):
         return None

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import monarch
-from monarch.errors import MonarchError, SupervisionError
+from monarch.errors import MonarchError, SupervisionError, UnsupportedOpError
+from monarch.graph.decompose import decomposition
 from monarch.graph.rules.table import RULES
 from monarch.runtime.control.futures import Future
 from monarch.tensor.meshtensor import MeshTensor
@@ -159,7 +160,7 @@ def unclaimed(cases: list[Case], out: Outcome) -> bool:
     """True (and `out` marked skipped) when some dispatched aten op has no rule or is random."""
     funcs = set().union(*(c.funcs for c in cases)) - IGNORED
     random = sorted(str(f) for f in funcs if torch.Tag.nondeterministic_seeded in f.tags)
-    missing = sorted(str(f) for f in funcs if f not in RULES)
+    missing = sorted(str(f) for f in funcs if f not in RULES and decomposition(f) is None)
     if not funcs or random or missing:
         out.status, out.missing = "skip", () if random else tuple(missing)
         out.detail = ("random: " + ", ".join(random) if random else
@@ -237,6 +238,11 @@ def run_op(op: Any, mesh: Any) -> Outcome:
             where = f"sample {i} {layout}"
             try:
                 pending.append(launch(op, case, mesh, where, layout))
+            except UnsupportedOpError as e:  # a decomposition reaches an op without a rule
+                drain(mesh)
+                out.status, out.missing = "skip", (unsupported_op(e),)
+                out.detail = f"{where}: " + str(e)[:200]
+                return out
             except Exception as e:  # noqa: BLE001 - refused on the controller; drain what was recorded
                 pending.append(Pending(where, [], [], e))
                 drain(mesh)
@@ -250,6 +256,15 @@ def run_op(op: Any, mesh: Any) -> Outcome:
         except Exception as e:  # noqa: BLE001 - a mismatch, a controller refusal or a RemoteError
             out.fail(p.where, e)
     return out
+
+
+def unsupported_op(e: UnsupportedOpError) -> str:
+    """The op an UnsupportedOpError names as lacking a rule (the op itself, or one its decomposition reaches)."""
+    msg = str(e)
+    if "decomposition needs " in msg:
+        return msg.split("decomposition needs ", 1)[1].split(",", 1)[0].split(" (", 1)[0]
+    name = msg.split(": no sharding rule", 1)[0]
+    return name if name.startswith("aten::") else f"aten::{name}"
 
 
 def drain(mesh: Any) -> None:
