@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from monarch.graph.rules.common import aten, kept, partials, resized
 from monarch.graph.rules.table import Emit, Emitter, OpCall, Strategy, op_name, register_rule
 from monarch.program.instr import Local
-from monarch.tensor.placement import Shard, local_bounds
+from monarch.tensor.placement import R, Shard, local_bounds
 from monarch.tensor.spec import Spec
 
 Range = tuple[int, int]  # (start, length) of a piece along one dim
@@ -91,7 +91,15 @@ def _blocks(inner_in: int, inner_out: int) -> Match:
 @register_rule(*RESHAPING)
 def view(call: OpCall, mdim: int) -> list[Strategy]:
     x, out = call.ins[0], call.outs[0]
-    return follow(call, mdim, view_dims(x, out.shape, mdim), resized)
+    replicated = Strategy((R,), (R,), _reshape_emit)
+    return follow(call, mdim, view_dims(x, out.shape, mdim), _reshape_emit) + [replicated]
+
+
+def _reshape_emit(ctx: Emit) -> list[Local]:
+    """A piece may be laid out unlike the global tensor (a redistribution's output is contiguous, and
+    kernels such as SDPA lay out their output like their input), so a view torch allowed on the global
+    strides may not exist locally: the piece is reshaped, which views it whenever its strides allow."""
+    return resized(ctx, "aten::reshape")
 
 
 @register_rule(aten.view.dtype)
