@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from monarch.errors import ShardingError
-from monarch.tensor import ops
+from monarch.tensor import dynamic, ops
 from monarch.tensor.ops import batched
 from monarch.tensor.placement import Placement, normalize
 from monarch.tensor.spec import Spec
@@ -49,7 +49,8 @@ class MeshTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
                            kwargs: dict | None = None) -> Any:
         backend = _backend_of(func, args, kwargs)
-        return backend.dispatch(func, args, kwargs or {})
+        done, out = dynamic.rewrite(func, args, kwargs or {})
+        return out if done else backend.dispatch(func, args, kwargs or {})
 
     # -- sharding --------------------------------------------------------------------------------
     @property

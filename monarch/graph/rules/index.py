@@ -1,4 +1,5 @@
-"""Rules for joining and indexing ops: cat, stack, index_select, gather and simple index.Tensor.
+"""Rules for joining and indexing ops: cat, stack, index_select, gather, simple index.Tensor, index_add,
+and the fixed-shape forms of data-dependent ones (nonzero_static, histc; see tensor/dynamic.py).
 
 A data dim that is not joined or indexed keeps its shard when every tensor input is sharded alike on
 it; a sharded index (with the data replicated) shards the output where the index's values land. The
@@ -10,7 +11,9 @@ import torch
 
 from monarch.graph.rules.common import aten, kept, partials
 from monarch.graph.rules.table import OpCall, Strategy, register_rule
-from monarch.tensor.placement import R, Shard
+from monarch.tensor.placement import Partial, R, Shard
+
+SUM = Partial("sum")
 
 
 @register_rule(aten.cat.default)
@@ -69,3 +72,34 @@ def index(call: OpCall, mdim: int) -> list[Strategy]:
     if len(idx) == 1 and idx[0].ndim == width:
         strategies += [Strategy((R, Shard(k)), (Shard(first + k),)) for k in range(width)]
     return strategies + partials(call, mdim, carriers=[0])
+
+
+@register_rule(aten.index_add.default, aten.index_add_.default)
+def index_add(call: OpCall, mdim: int) -> list[Strategy]:
+    """(x, dim, index, source): dims off `dim` sharded alike in x and source; or the index and source
+    sharded along it, each rank adding its rows into a Partial x; Partial x and source pass through."""
+    x, index, source = call.ins
+    if not x.ndim:
+        return partials(call, mdim, carriers=[0, 2])
+    dim = call.arg(1, "dim") % x.ndim
+    strategies = [Strategy((Shard(k), R, Shard(k)), (Shard(k),)) for k in kept(x.ndim, dim, False)
+                  if x.shape[k] == source.shape[k]]
+    if index.ndim == 1 and source.ndim:
+        strategies.append(Strategy((SUM, Shard(0), Shard(dim)), (SUM,)))
+    return strategies + partials(call, mdim, carriers=[0, 2])
+
+
+@register_rule(aten.nonzero_static.default)
+def nonzero_static(call: OpCall, mdim: int) -> list[Strategy]:
+    """Where the nonzeros of a piece land depends on the other pieces' counts: replicated only."""
+    return []
+
+
+@register_rule(aten.histc.default)
+def histc(call: OpCall, mdim: int) -> list[Strategy]:
+    """With a given range each rank counts its piece (the counts add up); a range taken from the data
+    (min == max) needs the whole tensor."""
+    x = call.ins[0]
+    if call.arg(2, "min", 0) == call.arg(3, "max", 0):
+        return []
+    return [Strategy((Shard(d),), (SUM,)) for d in range(x.ndim)]

@@ -1,0 +1,112 @@
+"""Ops whose output shape depends on the values (tensor/dynamic.py), in strict mode: nonzero, argwhere,
+masked_select, x[mask], unique and unique_consecutive (inverse, counts), bincount, histc and histogram
+on randomly placed inputs (uneven, empty and Partial pieces, all-zero and empty tensors) equal plain
+torch exactly; histc over a range and bincount count on the ranks (one all_reduce, no gather); wrong
+masks and inputs fail as plain torch does; a monarch.compile'd step says why it cannot; a real mesh too.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import placement_tuples, tensor_shapes
+from test_rules_view import MESHES, check
+
+import monarch
+from monarch.actor import ProcMesh
+from monarch.runtime.session.local import LocalMesh
+from monarch.tensor import Partial, Replicate, Shard
+
+pytestmark = pytest.mark.usefixtures("strict")
+R, P, S0 = Replicate(), Partial("sum"), Shard(0)
+
+ONE: dict[str, Callable[[Any], Any]] = {  # functions of one tensor with few distinct values
+    "nonzero": torch.nonzero,
+    "argwhere": torch.argwhere,
+    "where(cond)": lambda x: torch.where(x > 0),
+    "masked_select": lambda x: torch.masked_select(x, x > 0),
+    "masked_select broadcast": lambda x: torch.masked_select(x, x[..., :1] > 0),
+    "x[mask]": lambda x: x[x > 0],
+    "x[mask] leading dim": lambda x: x[x.flatten(1).sum(1) > 1] if x.ndim > 1 else x[x > 1],
+    "x[:, mask]": lambda x: x[:, x[0] > 0] if x.ndim > 1 else x[x > 0],
+    "x[plain mask]": lambda x: x[torch.arange(x.shape[0]) % 2 == 0],
+    "unique": torch.unique,
+    "unique all": lambda x: torch.unique(x, return_inverse=True, return_counts=True),
+    "unique int": lambda x: torch.unique(x.long(), return_inverse=True),
+    "Tensor.unique": lambda x: x.unique(return_counts=True),
+    "unique dim": lambda x: torch.unique(x, dim=0, return_inverse=True, return_counts=True),
+    "unique_consecutive": lambda x: torch.unique_consecutive(x, return_inverse=True, return_counts=True),
+    "unique_consecutive dim": lambda x: torch.unique_consecutive(x, dim=0, return_counts=True),
+    "bincount": lambda x: torch.bincount(x.flatten().long()),
+    "bincount weights minlength": lambda x: torch.bincount(x.flatten().long(), x.flatten() * 0.5, minlength=6),
+    "histc range": lambda x: torch.histc(x, 5, 0, 3),
+    "histc data range": lambda x: torch.histc(x, 4),
+    "histogram": lambda x: torch.histogram(x, 4),
+    "histogram range weight": lambda x: torch.histogram(x, 3, range=(0.0, 2.0), weight=x + 1),
+}
+
+
+def few_values(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Values in {0, 1, 2}: zeros to skip and repeats to merge."""
+    return torch.randint(0, 3, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_equal_to_plain_torch_on_every_placement(data: st.DataObject) -> None:
+    name = data.draw(st.sampled_from(sorted(ONE)))
+    shape = data.draw(tensor_shapes(1, 3, max_size=5))
+    x = few_values(shape, data.draw(st.integers(0, 99)))
+    if data.draw(st.booleans()) and name not in ("x[plain mask]",):
+        x = x * data.draw(st.sampled_from([0, 1]))  # all zeros half of these times
+    dims = data.draw(st.sampled_from(MESHES))
+    check(ONE[name], dims, (x, data.draw(placement_tuples(x.ndim, len(dims)))))
+
+
+@pytest.mark.parametrize("name", ["nonzero", "masked_select", "x[mask]", "unique all", "bincount", "histc range",
+                                  "unique dim", "histogram"])
+def test_empty_tensor(name: str) -> None:
+    check(ONE[name], {"x": 2}, (torch.zeros(0, 3), (S0,)))
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.histc(x, 5, 0, 3), lambda x: torch.bincount(x.flatten().long())])
+def test_counts_are_added_on_the_ranks_not_gathered(fn: Callable[[Any], Any]) -> None:
+    """Each rank counts its piece into a Partial result; only small all_reduces move (bincount's length
+    is the max of the pieces' maxima), never the data."""
+    x = few_values((8, 3), 1)
+    mesh = LocalMesh({"x": 2})
+    s = mesh._session
+    y = fn(monarch.distribute_tensor(x, mesh, [S0]))
+    assert y.placements == (P,)
+    assert torch.equal(y.full_tensor(), fn(x))
+    assert s.collectives and set(s.collectives) == {"all_reduce[x]"}, s.collectives
+
+
+def test_wrong_inputs_fail_as_in_plain_torch() -> None:
+    x = monarch.distribute_tensor(torch.arange(6.0).reshape(2, 3), LocalMesh({"x": 2}), [S0])
+    with pytest.raises(monarch.ShapeError, match="shape of the mask"):
+        x[x[0] > 0]
+    with pytest.raises(monarch.ShapeError, match="non-negative"):
+        torch.bincount(x.flatten().long() - 3)
+    with pytest.raises(monarch.ShapeError, match="1-d"):
+        torch.bincount(x.long())
+
+
+def test_a_compiled_step_says_why_it_cannot() -> None:
+    x = monarch.distribute_tensor(torch.arange(6.0), LocalMesh({"x": 2}), [S0])
+    for fn in (torch.nonzero, torch.unique, lambda t: torch.histogram(t, 3).hist):
+        with pytest.raises(monarch.TraceError, match="depends on the values"):
+            monarch.compile(fn)(x)
+
+
+def test_on_a_real_mesh(procs: ProcMesh) -> None:
+    x = few_values((5, 4), 3)
+    for name in ("nonzero", "x[mask]", "unique all", "bincount weights minlength", "histogram", "histc range"):
+        want = ONE[name](x)
+        got = ONE[name](monarch.distribute_tensor(x, procs, {"dp": S0, "tp": Shard(1)}))
+        for g, w in zip(*(list(o) if isinstance(o, tuple) else [o] for o in (got, want)), strict=True):
+            assert torch.equal(g.full_tensor(timeout=30), w), name
