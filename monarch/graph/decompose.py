@@ -36,26 +36,32 @@ Decomposition = Callable[..., Any]
 
 def decomposition(op: OpOverload) -> Decomposition | None:
     """How to run `op` as simpler ops, or None when it is recorded as it is."""
-    if op in _refused.get() or rule_for(op) is not None or _depth.get() >= MAX_DEPTH:
+    if op in _refused.get() or rule_for(op) is not None or _depth.get() + int(not _implicit(op)) > MAX_DEPTH:
         return None
     own = NORMS.get(op)
     return functools.partial(_own, own) if own is not None else _foreach(op) or _generic(op)
 
 
 def _own(fn: Decomposition, *args: Any, **kwargs: Any) -> Any:
-    with _deeper():
+    with _deeper(1):
         return fn(*args, **kwargs)
 
 
 @functools.cache
 def _generic(op: OpOverload) -> Decomposition | None:
-    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+    if _implicit(op):
         fn = op.decompose  # what torch itself runs it as (e.g. reshape, to.dtype reaching a tensor subclass)
     else:
         fn = torch._decomp.decomposition_table.get(op)
         if fn is None or not _decomposable(op):
             return None
     return functools.partial(_checked, op, fn)
+
+
+@functools.cache
+def _implicit(op: OpOverload) -> bool:
+    """torch runs `op` as other ops itself (a CompositeImplicitAutograd kernel)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
 def _decomposable(op: OpOverload) -> bool:
@@ -73,7 +79,7 @@ def _checked(op: OpOverload, fn: Decomposition, *args: Any, **kwargs: Any) -> An
     """Run `fn` on the MeshTensors when its dry run is covered by rules, else record `op` as it is."""
     missing = _dry_run(op, fn, args, kwargs)
     if missing is None:
-        with _deeper():
+        with _deeper(int(not _implicit(op))):
             return fn(*args, **kwargs)
     if config.strict():
         raise UnsupportedOpError(f"{op.name()}: no sharding rule, and its decomposition needs {missing}, which has "
@@ -87,8 +93,8 @@ def _checked(op: OpOverload, fn: Decomposition, *args: Any, **kwargs: Any) -> An
 
 
 @contextmanager
-def _deeper() -> Iterator[None]:
-    token = _depth.set(_depth.get() + 1)
+def _deeper(step: int) -> Iterator[None]:
+    token = _depth.set(_depth.get() + step)
     try:
         yield
     finally:
@@ -101,15 +107,15 @@ def _dry_run(op: OpOverload, fn: Decomposition, args: tuple, kwargs: dict) -> st
     key = _signature(op, args, kwargs)
     if key is not None and key in _verdicts:
         return _verdicts[key]
-    probe = _Probe()
+    probe = _Probe(op)
     try:
         with probe:
             if fn(*_meta(args), **_meta(kwargs)) is NotImplemented:
                 probe.missing = probe.missing or f"{op.name()} (its decomposition declines these arguments)"
     except Exception as e:  # noqa: BLE001 - the decomposition cannot run on these arguments
-        probe.missing = probe.missing or f"a working decomposition ({type(e).__name__}: {str(e)[:80]})"
+        probe.missing = probe.missing or f"{op.name()} (its decomposition fails: {type(e).__name__}: {str(e)[:80]})"
     if probe.ops > MAX_OPS:
-        probe.missing = f"fewer than {MAX_OPS} ops (it records {probe.ops})"
+        probe.missing = f"{op.name()} (its decomposition records {probe.ops} ops, over {MAX_OPS})"
     if key is not None:
         _verdicts[key] = probe.missing
     return probe.missing
@@ -121,11 +127,11 @@ _verdicts: dict[Any, str | None] = {}
 class _Probe(TorchDispatchMode):
     """Follows a decomposition on meta tensors: ops with rules run, the others decompose again."""
 
-    def __init__(self) -> None:
+    def __init__(self, op: OpOverload) -> None:
         super().__init__()
         self.missing: str | None = None
         self.ops = 0
-        self.depth = 0
+        self.depth = _depth.get() + int(not _implicit(op))  # inside the decomposition being tried
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -133,15 +139,16 @@ class _Probe(TorchDispatchMode):
         if rule_for(func) is not None or not _takes_tensors(args, kwargs) or self.missing is not None:
             return func(*args, **kwargs)
         inner = NORMS.get(func) or _foreach(func) or _inner(func)
-        if inner is None or self.depth >= MAX_DEPTH:
+        step = int(not _implicit(func))  # torch's own CompositeImplicit kernels do not count as a level
+        if inner is None or self.depth + step > MAX_DEPTH:
             self.missing = self.missing or str(func.name())
             return func(*args, **kwargs)
-        self.depth += 1
+        self.depth += step
         try:
             with self:
                 out = inner(*args, **kwargs)
         finally:
-            self.depth -= 1
+            self.depth -= step
         if out is NotImplemented:
             self.missing = self.missing or f"{func.name()} (its decomposition declines these arguments)"
             return func(*args, **kwargs)

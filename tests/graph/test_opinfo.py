@@ -8,6 +8,7 @@ rest are reported. MONARCH_OPINFO_REPORT=path also writes the full table to that
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 import time
 import warnings
@@ -35,6 +36,12 @@ PASSING = Path(__file__).with_name("opinfo_passing.txt")
 MAX_SAMPLES = 4          # samples per op (the first usable ones)
 TIMEOUT = 20.0           # seconds for any one fetch
 MIN_CLAIMED = 250        # sanity floor on the number of claimed OpInfos (289 when written)
+MIN_PASSING = 380        # strict mode: OpInfos passing every sample (288 before decompositions, 380 after)
+FAMILIES = (("linalg", ("linalg", "cholesky", "_lu", "lu_", "svd", "qr", "eig", "triangular", "inverse", "det")),
+            ("fft", ("fft",)), ("conv and pooling", ("conv", "pool", "upsample", "im2col", "col2im", "pad")),
+            ("sort and scan", ("sort", "topk", "kthvalue", "median", "cum", "mode", "unique", "searchsorted")),
+            ("scatter and index", ("scatter", "index", "put", "take", "masked_", "nonzero", "gather")),
+            ("view", ("view", "squeeze", "unfold", "strided", "flip", "roll", "diagonal", "split", "unbind")))
 DTYPES = (torch.float32, torch.int64, torch.bool)  # the first one an op supports on CPU is sampled
 IGNORED = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default}
 
@@ -160,7 +167,7 @@ def unclaimed(cases: list[Case], out: Outcome) -> bool:
     """True (and `out` marked skipped) when some dispatched aten op has no rule or is random."""
     funcs = set().union(*(c.funcs for c in cases)) - IGNORED
     random = sorted(str(f) for f in funcs if torch.Tag.nondeterministic_seeded in f.tags)
-    missing = sorted(str(f) for f in funcs if f not in RULES and decomposition(f) is None)
+    missing = sorted(str(f.name()) for f in funcs if f not in RULES and decomposition(f) is None)
     if not funcs or random or missing:
         out.status, out.missing = "skip", () if random else tuple(missing)
         out.detail = ("random: " + ", ".join(random) if random else
@@ -260,11 +267,8 @@ def run_op(op: Any, mesh: Any) -> Outcome:
 
 def unsupported_op(e: UnsupportedOpError) -> str:
     """The op an UnsupportedOpError names as lacking a rule (the op itself, or one its decomposition reaches)."""
-    msg = str(e)
-    if "decomposition needs " in msg:
-        return msg.split("decomposition needs ", 1)[1].split(",", 1)[0].split(" (", 1)[0]
-    name = msg.split(": no sharding rule", 1)[0]
-    return name if name.startswith("aten::") else f"aten::{name}"
+    found = re.search(r"needs ([\w:.]+)", str(e)) or re.search(r"([a-z_]+::[\w.]+)", str(e))
+    return found.group(1) if found else str(e).split(":", 1)[0]
 
 
 def drain(mesh: Any) -> None:
@@ -296,9 +300,25 @@ class Run:
         lines += [f"  FAIL {o.name:36} {o.passed:2}/{o.samples:2}  {o.detail}" for o in claimed if o.status == "fail"]
         lines.append(wrap("pass: " + " ".join(o.name for o in good)))
         lines.append(wrap("most wanted rules: " + ", ".join(f"{f} ({n})" for f, n in wanted.most_common(12))))
+        by_family: dict[str, list[str]] = {}
+        for f in sorted(wanted):
+            by_family.setdefault(family(f), []).append(f"{f.removeprefix('aten::')} ({wanted[f]})")
+        lines += [wrap(f"missing, {k}: " + ", ".join(v)) for k, v in sorted(by_family.items())]
         if full:
             lines += [f"{o.status:4} {o.name:48} {o.passed:2}/{o.samples:2}  {o.detail}" for o in ops]
         return "\n".join(lines)
+
+
+def family(op: str) -> str:
+    """The family an aten op without a rule belongs to (for the report of what is missing)."""
+    name = op.removeprefix("aten::")
+    return next((f for f, words in FAMILIES if any(w in name for w in words)), "other")
+
+
+def wrong_values(run: Run) -> list[str]:
+    """Claimed OpInfos whose outputs differ from plain torch (errors and refusals are not counted)."""
+    return [f"{o.name}: {o.detail}" for o in run.outcomes.values()
+            if o.status == "fail" and (": AssertionError" in o.detail or "Mismatched" in o.detail)]
 
 
 def wrap(text: str) -> str:
@@ -349,3 +369,14 @@ def test_known_passing_ops_still_pass(run: Run) -> None:
 def test_claimed_ops_floor(run: Run) -> None:
     claimed = [n for n, o in run.outcomes.items() if o.claimed]
     assert len(claimed) >= MIN_CLAIMED, f"only {len(claimed)} OpInfos claimed: {claimed}"
+
+
+def test_strict_passing_floor(run: Run) -> None:
+    """MONARCH_STRICT=1 all along: every op reached has a rule, or a decomposition into ops with rules."""
+    passing = sorted(n for n, o in run.outcomes.items() if o.status == "pass")
+    assert len(passing) >= MIN_PASSING, f"only {len(passing)} OpInfos pass in strict mode"
+
+
+def test_no_wrong_values(run: Run) -> None:
+    wrong = wrong_values(run)
+    assert not wrong, "sharded results differ from plain torch:\n" + "\n".join(wrong)
