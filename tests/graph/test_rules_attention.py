@@ -171,3 +171,25 @@ def test_mha_data_parallel_small_batches(need_weights: bool, dims: dict, batch: 
     close(out.full_tensor(timeout=30), want.detach())
     for (name, p), w in zip(model.named_parameters(), ref.parameters(), strict=True):
         close(p.grad.full_tensor(timeout=30), w.grad)
+
+
+def test_partial_values_and_grad_pass_through() -> None:
+    """The forward is linear in v: a Partial v gives a Partial output and moves nothing; the backward
+    (linear in grad_out, but reading the forward's output) matches torch."""
+    mesh = reference_mesh({"x": 2})
+    g = torch.Generator().manual_seed(4)
+    q, k, v, grad = (torch.randn(2, 2, 5, 4, generator=g) for _ in range(4))
+    xs = [monarch.distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in ((q, R), (k, R), (v, P))]
+    s = mesh._session
+    s.flush()
+    before = len(s.collectives)
+    out = F.scaled_dot_product_attention(*xs, is_causal=True)
+    s.flush()
+    assert out.placements == (P,) and s.collectives[before:] == [], s.collectives[before:]
+    out.backward(monarch.distribute_tensor(grad, mesh, [P]))
+    want = [t.clone().requires_grad_() for t in (q, k, v)]
+    w = F.scaled_dot_product_attention(*want, is_causal=True)
+    w.backward(grad)
+    close(out.full_tensor(timeout=30), w.detach())
+    for got, t in zip(xs, want, strict=True):
+        close(got.grad.full_tensor(timeout=30), t.grad)

@@ -5,6 +5,7 @@ Queries (B, Hq, L, E) attend to keys and values (B, Hk, S, E); batch and heads n
 stays sharded (grouped-query heads when each piece of query heads reads its own piece of kv heads).
 Without a causal mask, query rows are independent too: they shard with keys and values replicated, and
 the key and value gradients, sums over the rows, come out Partial. The mask broadcasts to (B, Hq, L, S).
+The forward is linear in the values and the backward in grad_out, so a Partial sum there passes through.
 """
 from __future__ import annotations
 
@@ -70,7 +71,17 @@ def flash_attention(call: OpCall, mdim: int) -> list[Strategy]:
         ins = tuple(Shard(ROWS) if rows else R for rows in kinds) + masked
         outs = (Shard(ROWS), P, P) if backward else (Shard(ROWS), Shard(ROWS))
         strategies.append(Strategy(ins, outs, emit_attention))
-    return strategies
+    return strategies + _linear(call, mdim, backward, len(kinds), mask is not None)
+
+
+def _linear(call: OpCall, mdim: int, backward: bool, n_lead: int, masked: bool) -> list[Strategy]:
+    """The forward is linear in v (logsumexp does not read it), the backward in grad_out: a Partial sum
+    there, with everything else replicated, passes through."""
+    carrier = 0 if backward else 2
+    if call.ins[carrier].placements[mdim] != P:
+        return []
+    ins = tuple(P if i == carrier else R for i in range(n_lead)) + (R,) * masked
+    return [Strategy(ins, (P, P, P) if backward else (P, R))]
 
 
 def emit_attention(ctx: Emit) -> list[Instr]:
