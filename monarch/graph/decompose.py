@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch._decomp
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -103,14 +104,17 @@ def _deeper(step: int) -> Iterator[None]:
 
 def _dry_run(op: OpOverload, fn: Decomposition, args: tuple, kwargs: dict) -> str | None:
     """What the decomposition reaches that has neither a rule nor a usable decomposition (None: nothing),
-    found by running it on meta tensors of the same shapes."""
+    found by running it on fake tensors of the same shapes."""
     key = _signature(op, args, kwargs)
     if key is not None and key in _verdicts:
         return _verdicts[key]
     probe = _Probe(op)
     try:
-        with probe:
-            if fn(*_meta(args), **_meta(kwargs)) is NotImplemented:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            fake_args, fake_kwargs = _fake(args), _fake(kwargs)
+        with fake, probe:
+            if fn(*fake_args, **fake_kwargs) is NotImplemented:
                 probe.missing = probe.missing or f"{op.name()} (its decomposition declines these arguments)"
     except Exception as e:  # noqa: BLE001 - the decomposition cannot run on these arguments
         probe.missing = probe.missing or f"{op.name()} (its decomposition fails: {type(e).__name__}: {str(e)[:80]})"
@@ -136,7 +140,8 @@ class _Probe(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         self.ops += 1
-        if rule_for(func) is not None or not _takes_tensors(args, kwargs) or self.missing is not None:
+        if (rule_for(func) is not None or not _takes_tensors(args, kwargs) or self.missing is not None
+                or func.namespace == "prim"):  # prim::device, prim::layout: reading a tensor's metadata
             return func(*args, **kwargs)
         inner = NORMS.get(func) or _foreach(func) or _inner(func)
         step = int(not _implicit(func))  # torch's own CompositeImplicit kernels do not count as a level
@@ -166,12 +171,13 @@ def _takes_tensors(args: tuple, kwargs: dict) -> bool:
     return any(found)
 
 
-def _meta(obj: Any) -> Any:
-    """`obj` with every tensor (MeshTensor or plain) replaced by an empty meta tensor of its layout."""
+def _fake(obj: Any) -> Any:
+    """`obj` with every tensor (MeshTensor or plain) replaced by an empty tensor of its global layout, made
+    under a FakeTensorMode (no data; the device the tensor names, as decompositions branching on it see it)."""
     def one(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta", requires_grad=False)
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
     return tree_map(one, obj)
 
 

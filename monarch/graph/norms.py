@@ -1,4 +1,5 @@
-"""Batch norm as reductions: its forward and backward ops recorded as means and sums over the batch dims.
+"""Batch and group norm as reductions: forward and backward ops recorded as means and sums over the batch
+dims (batch norm) or within each sample's groups (group norm).
 
 Over a sharded batch each sum is Partial, so the statistics (C values) are all_reduced, never the
 activations. The statistics are computed in two passes like torch's kernel (the mean, then the mean of
@@ -138,6 +139,39 @@ def batch_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, running_
                                       output_mask)
 
 
+def native_group_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, n: int, c: int, hxw: int, group: int,
+                      eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Statistics per (sample, group): a batch shard needs no collective. (out, mean, rstd), the last two (N, G)."""
+    xg = _compute(x).reshape(n, group, -1)
+    mean = torch.mean(xg, [2])
+    dev = xg - mean.unsqueeze(2)
+    rstd = torch.rsqrt(torch.mean(dev * dev, [2]) + eps)
+    out = (dev * rstd.unsqueeze(2)).reshape(x.shape)
+    if weight is not None:
+        out = out * _channel(_compute(weight), x)
+    if bias is not None:
+        out = out + _channel(_compute(bias), x)
+    return out.to(x.dtype), mean, rstd
+
+
+def native_group_norm_backward(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None, n: int,
+                               c: int, hxw: int, group: int, output_mask: list[bool]) -> tuple[Tensor | None, ...]:
+    """d input = rstd * (g - mean(g) - xhat * mean(g * xhat)) per group, with g = grad * weight; d weight and
+    d bias sum over the samples and positions (Partial over a sharded batch)."""
+    g = _compute(grad)
+    xhat = ((_compute(x).reshape(n, group, -1) - mean.unsqueeze(2)) * rstd.unsqueeze(2)).reshape(x.shape)
+    grad_input = None
+    if output_mask[0]:
+        gw = (g if weight is None else g * _channel(_compute(weight), x)).reshape(n, group, -1)
+        xg = xhat.reshape(n, group, -1)
+        gi = gw - torch.mean(gw, [2], keepdim=True) - xg * torch.mean(gw * xg, [2], keepdim=True)
+        grad_input = (gi * rstd.unsqueeze(2)).reshape(x.shape).to(x.dtype)
+    dtype = x.dtype if weight is None else weight.dtype
+    grad_weight = torch.sum(g * xhat, _dims(x)).to(dtype) if output_mask[1] else None
+    grad_bias = torch.sum(g, _dims(x)).to(dtype) if output_mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
 NORMS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     aten.native_batch_norm.default: native_batch_norm,
     aten._native_batch_norm_legit.default: native_batch_norm,
@@ -146,4 +180,6 @@ NORMS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     aten._batch_norm_with_update.default: with_update,
     aten.native_batch_norm_backward.default: native_batch_norm_backward,
     aten.batch_norm_backward.default: batch_norm_backward,
+    aten.native_group_norm.default: native_group_norm,
+    aten.native_group_norm_backward.default: native_group_norm_backward,
 }

@@ -101,15 +101,24 @@ def test_batch_norm_module_trains_like_torch(procs: Any) -> None:
 
 
 def test_group_rms_layer_norm_stay_sharded(procs: Any) -> None:
-    """Per-sample statistics: a batch shard needs no collective at all."""
+    """Per-sample statistics: a batch shard needs no collective at all, forward or backward (the weight
+    grads stay Partial until read)."""
     torch.manual_seed(4)
-    x, w = torch.randn(8, 6, 5), torch.randn(5)
-    cases: list[Callable[[Any, Any], Any]] = [lambda t, w: F.group_norm(t, 3), lambda t, w: F.rms_norm(t, (5,), w),
-                                              lambda t, w: F.layer_norm(t, (6, 5))]
+    x, w, g = torch.randn(8, 6, 5), torch.randn(6, 5), torch.randn(8, 6, 5)
+    cases: list[Callable[[Any, Any], Any]] = [lambda t, w: F.group_norm(t, 3, w[:, 0], w[:, 1]),
+                                              lambda t, w: F.rms_norm(t, (5,), w[0]),
+                                              lambda t, w: F.layer_norm(t, (6, 5), w)]
     for fn in cases:
-        got, comms = collectives(procs, lambda: fn(put(x, procs, Shard(0), R), put(w, procs)))
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        fn(*leaves).backward(g)
+        dx, dw = put(x, procs, Shard(0), R).requires_grad_(), put(w, procs).requires_grad_()
+        got, comms = collectives(procs, lambda: fn(dx, dw))
         assert comms == [] and got.placements == (Shard(0), R)
         close(got, fn(x, w))
+        _, comms = collectives(procs, lambda: got.backward(put(g, procs, Shard(0), R)))
+        assert comms == [] and dx.grad.placements == (Shard(0), R) and dw.grad.placements[0].is_partial()
+        close(dx.grad, leaves[0].grad, 1e-4)
+        close(dw.grad, leaves[1].grad, 1e-4)
 
 
 @pytest.mark.parametrize("p", [2.0, 1.0, float("inf")])
