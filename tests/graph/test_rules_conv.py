@@ -162,6 +162,11 @@ POOLS: dict[str, Callable[[torch.Tensor], Any]] = {
     "adaptive_avg_pool3d": lambda x: F.adaptive_avg_pool3d(x, 2),
     "adaptive_max_pool2d": lambda x: F.adaptive_max_pool2d(x, 3, return_indices=True),
     "adaptive_max_pool3d": lambda x: F.adaptive_max_pool3d(x, 2),
+    "max_unpool2d": lambda x: F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2),
+    "max_unpool3d": lambda x: F.max_unpool3d(*F.max_pool3d(x, 2, return_indices=True), 2),
+    "fractional_max_pool2d": lambda x: F.fractional_max_pool2d(x, 2, output_size=3, return_indices=True,
+                                                                _random_samples=samples(x)),
+    "fractional_max_pool3d": lambda x: F.fractional_max_pool3d(x, 2, output_size=2, _random_samples=samples(x)),
     "nearest": lambda x: F.interpolate(x, scale_factor=2),
     "nearest_exact": lambda x: F.interpolate(x, size=(5, 7), mode="nearest-exact"),
     "linear": lambda x: F.interpolate(x, size=7, mode="linear"),
@@ -176,6 +181,13 @@ POOLS: dict[str, Callable[[torch.Tensor], Any]] = {
     "replicate_pad2d": lambda x: F.pad(x, (0, 0, 2, 1), mode="replicate"),
     "replicate_pad3d": lambda x: F.pad(x, (1, 0, 1, 0, 0, 1), mode="replicate"),
 }
+
+NO_META_BACKWARD = {"fractional_max_pool3d"}  # torch has no meta kernel of its backward to trace it with
+
+
+def samples(x: torch.Tensor) -> torch.Tensor:
+    """Fixed (N, C, 2) random samples of a fractional max pool of x."""
+    return torch.rand(x.shape[0], x.shape[1], x.ndim - 2, generator=torch.Generator().manual_seed(x.shape[0]))
 
 
 def spatial(name: str) -> int:
@@ -208,6 +220,8 @@ def test_leading_shards_move_nothing_even_with_empty_pieces(name: str, d: int) -
     assert shipped == [] and all(t.placements == (Shard(d),) for t in _flat(out)), (shipped, _flat(out))
     for g, w in zip(_flat(out), _flat(want), strict=True):
         torch.testing.assert_close(g.full_tensor(timeout=30), w, rtol=1e-4, atol=1e-5)
+    if name in NO_META_BACKWARD:
+        return
     grad = torch.randn_like(_flat(want)[0])
     _flat(want)[0].backward(grad)
     _, shipped = comms(mesh, lambda: _flat(out)[0].backward(monarch.distribute_tensor(grad, mesh, {"x": Shard(d)})))

@@ -142,3 +142,27 @@ def test_rule_offers_every_other_dim() -> None:
                                                           ((Shard(2),), (Shard(1),) * 2)]
     sort = OpCall(aten.sort.default, (spec,), {}, (spec,), (spec, spec))
     assert [s.inputs for s in RULES[aten.sort.default](sort, 0)] == [(Shard(0),), (Shard(1),)]  # dim=-1 default
+
+
+@settings(deadline=None, max_examples=30)
+@given(data=st.data())
+def test_searchsorted(data: st.DataObject) -> None:
+    """A 1-D sequence with values sharded anywhere, or an N-D one sharded with the values on leading dims;
+    with and without a sorter. Nothing moves when the sequence's searched dim is whole."""
+    dims = data.draw(tensor_meshes(MESHES))
+    mesh = reference_mesh(dims)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    lead = data.draw(tensor_shapes(0, 2, 1, 5))
+    seq = torch.rand(*lead, data.draw(st.integers(1, 6)), generator=gen)
+    values = torch.rand(*lead, data.draw(st.integers(1, 6)), generator=gen)
+    sorter = torch.argsort(seq, -1) if data.draw(st.booleans()) else None
+    if sorter is None:
+        seq = seq.sort(-1).values
+    right = data.draw(st.booleans())
+    put = [data.draw(placement_tuples(t.ndim, len(dims), partial=False)) for t in (seq, values)]
+    args = [monarch.distribute_tensor(t, mesh, p) for t, p in zip((seq, values), put, strict=True)]
+    ms = monarch.distribute_tensor(sorter, mesh, put[0]) if sorter is not None else None
+    got, comms = run(mesh, lambda t: torch.searchsorted(*t, right=right, sorter=ms), args)
+    check(got, torch.searchsorted(seq, values, right=right, sorter=sorter))
+    if seq.ndim == 1 and all(p == R for p in put[0]):
+        assert comms == [], comms

@@ -161,10 +161,12 @@ CONV_BACKWARD = padding_empty(conv_backward_kernel)
 POOLS = _ops(["adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "max_pool1d", "max_pool2d",
               "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices"])
 LINEAR_POOLS = _ops(["_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_avg_pool1d", "avg_pool1d",
-                     "avg_pool2d", "avg_pool3d"])
+                     "avg_pool2d", "avg_pool3d", "max_unpool2d", "max_unpool3d"])  # unpools: linear given indices
+FRACTIONAL_POOLS = _ops(["fractional_max_pool2d", "fractional_max_pool3d"])
 POOL_BACKWARDS = _ops(["_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward",
                        "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward", "avg_pool2d_backward",
-                       "avg_pool3d_backward", "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"])
+                       "avg_pool3d_backward", "fractional_max_pool2d_backward", "fractional_max_pool3d_backward",
+                       "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"])
 UPSAMPLES = ["_upsample_bicubic2d_aa", "_upsample_bilinear2d_aa", "_upsample_nearest_exact1d",
              "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_bicubic2d", "upsample_bilinear2d",
              "upsample_linear1d", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
@@ -187,6 +189,15 @@ def leading(call: OpCall, linear: bool, emit: Emitter = PADDED) -> list[Strategy
 @register_rule(*POOLS)
 def pool(call: OpCall, mdim: int) -> list[Strategy]:
     return leading(call, linear=False)
+
+
+@register_rule(*FRACTIONAL_POOLS)
+def fractional_pool(call: OpCall, mdim: int) -> list[Strategy]:
+    """A batched input's batch and channel dims, with the (N, C, 2) random samples sharded alike."""
+    x = call.ins[0]
+    if x.ndim != _spatial(call.op) + 2:
+        return []
+    return [Strategy((Shard(d), Shard(d)), (Shard(d),) * 2, PADDED) for d in range(2)]
 
 
 @register_rule(*LINEAR_POOLS, *POOL_BACKWARDS, *UPSAMPLE_FORWARDS)

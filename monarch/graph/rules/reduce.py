@@ -1,5 +1,6 @@
 """Rules for reductions (sum, mean, prod, amax/amin, max/min, argmax/argmin, var/std, any/all) and for
-ops along one dim (cumulative scans, sorts, topk, kthvalue, median, mode: shardable on every other dim).
+ops along one dim (cumulative scans, sorts, topk, kthvalue, median, mode: shardable on every other dim)
+and searchsorted.
 
 A dim that is not reduced keeps its shard (renumbered when keepdim=False). Over a sharded reduced dim,
 ops that combine per-piece results run on each piece and leave a Partial output: sum and mean give
@@ -14,7 +15,7 @@ from monarch.graph.rules.common import aten
 from monarch.graph.rules.common import kept as kept_dims
 from monarch.graph.rules.table import Emit, Emitter, OpCall, OpOverload, Strategy, op_name, register_rule
 from monarch.program.instr import Local
-from monarch.tensor.placement import P, Partial, Shard
+from monarch.tensor.placement import P, Partial, R, Shard
 
 MAX, MIN, PROD = Partial("max"), Partial("min"), Partial("prod")
 
@@ -158,3 +159,14 @@ def along(call: OpCall, mdim: int) -> list[Strategy]:
 
 for _op in ALONG:
     register_rule(_op)(along)
+
+
+@register_rule(aten.searchsorted.Tensor)
+def searchsorted(call: OpCall, mdim: int) -> list[Strategy]:
+    """A 1-D sorted sequence (and sorter) replicated: the values shard on any dim. An N-D one searches
+    along its last dim: its other dims shard with those of the values."""
+    seq, values = call.ins[:2]
+    sorter = len(call.ins) - 2
+    if seq.ndim == 1:
+        return [Strategy((R, Shard(d), *(R,) * sorter), (Shard(d),)) for d in range(values.ndim)]
+    return [Strategy((Shard(d),) * (2 + sorter), (Shard(d),)) for d in range(seq.ndim - 1)]
