@@ -1,9 +1,10 @@
 """torch's OpInfo samples for every op monarch claims, sharded on a real 4-process mesh vs plain torch.
 
-An OpInfo is claimed when every aten op its samples dispatch (on tensors) has a sharding rule. Each
-sample runs with its tensors replicated, then sharded on their largest dims (two mesh-dim orders);
-outputs must match plain torch on the controller. Ops in `opinfo_passing.txt` must keep passing; the
-rest are reported. MONARCH_OPINFO_REPORT=path also writes the full table to that file.
+An OpInfo is claimed when every aten op its samples dispatch (on tensors) has a sharding rule or a
+decomposition. Everything runs under MONARCH_STRICT=1; each sample runs with its tensors replicated, then
+sharded on their largest dims (two mesh-dim orders); outputs must match plain torch on the controller, with
+no wrong value anywhere. Ops in `opinfo_passing.txt` must keep passing, at least MIN_PASSING pass; what is
+missing is reported by family. MONARCH_OPINFO_REPORT=path also writes the full table to that file.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ PASSING = Path(__file__).with_name("opinfo_passing.txt")
 MAX_SAMPLES = 4          # samples per op (the first usable ones)
 TIMEOUT = 20.0           # seconds for any one fetch
 MIN_CLAIMED = 250        # sanity floor on the number of claimed OpInfos (289 when written)
-MIN_PASSING = 380        # strict mode: OpInfos passing every sample (288 before decompositions, 380 after)
+MIN_PASSING = 430        # strict mode: OpInfos passing every sample (288 before decompositions, 430 after)
 FAMILIES = (("linalg", ("linalg", "cholesky", "_lu", "lu_", "svd", "qr", "eig", "triangular", "inverse", "det")),
             ("fft", ("fft",)), ("conv and pooling", ("conv", "pool", "upsample", "im2col", "col2im", "pad")),
             ("sort and scan", ("sort", "topk", "kthvalue", "median", "cum", "mode", "unique", "searchsorted")),
