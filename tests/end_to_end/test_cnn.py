@@ -20,6 +20,7 @@ from monarch import MeshTensor, Shard
 from monarch.actor import this_host
 from monarch.runtime.session.local import LocalMesh
 from monarch.runtime.session.session import session_of
+from monarch.tensor.placement import R
 
 T = 60.0  # seconds any single wait may take
 STEPS = 5
@@ -124,6 +125,33 @@ def test_conv_backward_keeps_the_batch_split() -> None:
     F.cross_entropy(ref(x), y).backward()
     for (name, g), p in zip(grads.items(), ref.parameters(), strict=True):
         torch.testing.assert_close(value(g), p.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_tensor_parallel_convs() -> None:
+    """Batch over dp; over tp the first conv's out-channels (weight and bias) and the second conv's
+    in-channels: channels stay sharded through ReLU and MaxPool, the second conv's Partial output is the
+    forward's one all_reduce over tp; five steps match plain torch and the shards stay put."""
+    mesh = LocalMesh({"dp": 2, "tp": 2})
+    torch.manual_seed(0)
+    ref = CNN(norm=False)
+    model = copy.deepcopy(ref)
+    first, second = model.features[0], model.features[4]
+    for module, name, p in ((first, "weight", Shard(0)), (first, "bias", Shard(0)), (second, "weight", Shard(1))):
+        plain = getattr(module, name).detach()
+        setattr(module, name, nn.Parameter(monarch.distribute_tensor(plain, mesh, {"tp": p})))
+    monarch.data_parallel(model, mesh)
+    x = batches(1)[0][0]
+    s = session_of(mesh)
+    s.flush()
+    before = len(s.collectives)
+    out = model(x)
+    s.flush()
+    assert s.collectives[before:] == ["all_reduce[tp]"]
+    torch.testing.assert_close(value(out), ref(x), **TOL)
+    data = batches(STEPS)
+    assert train(model, data) == pytest.approx(train(ref, data), **{"rel": 1e-5, "abs": 1e-5})
+    assert_same_state(model, ref)
+    assert first.weight.placements == (R, Shard(0)) and second.weight.placements == (R, Shard(1))
 
 
 # -- training matches plain torch -------------------------------------------------------------------
