@@ -6,6 +6,7 @@ and nn.MultiheadAttention on a data-parallel module whose ranks hold one or no s
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -70,7 +71,8 @@ def attention_case(draw: st.DrawFn) -> dict[str, Any]:
     causal = draw(st.booleans())
     mask_shape = None if causal else draw(st.sampled_from(
         [None, (lq, ls), (b, 1, lq, ls), (1, hk * group, lq, ls), (b, hk * group, lq, ls), (1, ls)]))
-    where = draw(st.sampled_from([0, 1, 2]))  # the dim of (B, H, L, E) that the queries shard on
+    # per mesh dim, the dim of (B, H, L, E) that the queries shard on (None: replicated)
+    where = draw(st.lists(st.sampled_from([None, 0, 1, 2]), min_size=len(dims), max_size=len(dims)))
     return dict(dims=dims, b=b, hk=hk, hq=hk * group, lq=lq, ls=ls, e=e, causal=causal, mask=mask_shape,
                 bool_mask=draw(st.booleans()), where=where, seed=draw(st.integers(0, 2**16)),
                 scale=draw(st.sampled_from([None, 0.3])))
@@ -79,8 +81,9 @@ def attention_case(draw: st.DrawFn) -> dict[str, Any]:
 @settings(deadline=None, max_examples=40)
 @given(c=attention_case())
 def test_sdpa_matches_torch(c: dict[str, Any]) -> None:
-    """Queries, keys and values sharded on one dim of the first mesh dim (keys by the same dim when it is
-    batch or heads, else replicated); everything else replicated."""
+    """Queries sharded on a dim of (B, H, L, E) per mesh dim (nested shards too), keys and values by the
+    same dim when it is batch or heads, else replicated; the mask replicated. Evenly sharded batch and
+    heads move nothing."""
     g = torch.Generator().manual_seed(c["seed"])
     q = torch.randn(c["b"], c["hq"], c["lq"], c["e"], generator=g)
     k = torch.randn(c["b"], c["hk"], c["ls"], c["e"], generator=g)
@@ -92,14 +95,13 @@ def test_sdpa_matches_torch(c: dict[str, Any]) -> None:
     if mask is not None and mask.dtype == torch.bool:
         mask[..., 0] = True  # no fully masked row (torch gives NaN there)
     w = c["where"]
-    n = len(c["dims"])
-    qp = tuple(Shard(w) if m == 0 else R for m in range(n))
-    kp = qp if w != 2 else (R,) * n
-    mp = (R,) * n
+    qp = tuple(R if d is None else Shard(d) for d in w)
+    kp = tuple(R if d in (None, 2) else Shard(d) for d in w)
     mesh = reference_mesh(c["dims"])
-    comms = run(mesh, sdpa(c["causal"], c["hq"] != c["hk"], c["scale"]), [q, k, v, mask], [qp, kp, kp, mp])
-    even = c[{0: "b", 1: "hk", 2: "lq"}[w]] % mesh.extent.sizes[0] == 0
-    if w < 2 and even and mask is None:
+    comms = run(mesh, sdpa(c["causal"], c["hq"] != c["hk"], c["scale"]), [q, k, v, mask], [qp, kp, kp, (R,) * len(w)])
+    sizes = mesh.extent.sizes
+    pieces = {d: math.prod(n for n, e in zip(sizes, w, strict=True) if e == d) for d in (0, 1)}
+    if 2 not in w and mask is None and c["b"] % pieces[0] == 0 and c["hk"] % pieces[1] == 0:
         assert comms == [], comms
 
 
