@@ -1,10 +1,8 @@
-"""Decompositions: ops recorded as several simpler ops instead of having a sharding rule of their own.
+"""Decompositions: ops without a sharding rule recorded as several simpler ops that have one.
 
-The `_foreach_*` ops of the optimizers run as one plain op per element (list arguments zipped, the others
-shared), so every element gets the placements its own rule picks. Any other op without a rule but with
-an entry in torch's decomposition table is recorded as the ops of that decomposition, when a dry run on
-meta tensors shows that every op it reaches has a rule (or such a decomposition itself, a few levels deep).
-Batch norm has its own (`norms.py`): reductions whose statistics are all_reduced over a sharded batch.
+`_foreach_*` ops run as one plain op per element; batch and group norm as the reductions of `norms.py`;
+any other op as torch's decomposition (its table, or its CompositeImplicit kernel) when a dry run on fake
+tensors shows that every op it reaches has a rule (or such a decomposition itself, a few levels deep).
 """
 from __future__ import annotations
 
@@ -50,13 +48,16 @@ def _own(fn: Decomposition, *args: Any, **kwargs: Any) -> Any:
 
 @functools.cache
 def _generic(op: OpOverload) -> Decomposition | None:
+    fn = _torch_decomposition(op)
+    return None if fn is None else functools.partial(_checked, op, fn)
+
+
+@functools.cache
+def _torch_decomposition(op: OpOverload) -> Decomposition | None:
     if _implicit(op):
-        fn = op.decompose  # what torch itself runs it as (e.g. reshape, to.dtype reaching a tensor subclass)
-    else:
-        fn = torch._decomp.decomposition_table.get(op)
-        if fn is None or not _decomposable(op):
-            return None
-    return functools.partial(_checked, op, fn)
+        return op.decompose  # what torch itself runs it as (e.g. reshape, to.dtype reaching a tensor subclass)
+    fn = torch._decomp.decomposition_table.get(op)
+    return fn if fn is not None and _decomposable(op) else None
 
 
 @functools.cache
@@ -125,11 +126,11 @@ def _dry_run(op: OpOverload, fn: Decomposition, args: tuple, kwargs: dict) -> st
     return probe.missing
 
 
-_verdicts: dict[Any, str | None] = {}
+_verdicts: dict[Any, str | None] = {}  # dry-run outcome by call signature (one entry per op and shapes seen)
 
 
 class _Probe(TorchDispatchMode):
-    """Follows a decomposition on meta tensors: ops with rules run, the others decompose again."""
+    """Follows a decomposition on fake tensors: ops with rules run, the others decompose again."""
 
     def __init__(self, op: OpOverload) -> None:
         super().__init__()
@@ -143,7 +144,7 @@ class _Probe(TorchDispatchMode):
         if (rule_for(func) is not None or not _takes_tensors(args, kwargs) or self.missing is not None
                 or func.namespace == "prim"):  # prim::device, prim::layout: reading a tensor's metadata
             return func(*args, **kwargs)
-        inner = NORMS.get(func) or _foreach(func) or _inner(func)
+        inner = NORMS.get(func) or _foreach(func) or _torch_decomposition(func)
         step = int(not _implicit(func))  # torch's own CompositeImplicit kernels do not count as a level
         if inner is None or self.depth + step > MAX_DEPTH:
             self.missing = self.missing or str(func.name())
@@ -158,11 +159,6 @@ class _Probe(TorchDispatchMode):
             self.missing = self.missing or f"{func.name()} (its decomposition declines these arguments)"
             return func(*args, **kwargs)
         return out
-
-
-def _inner(op: OpOverload) -> Decomposition | None:
-    fn = _generic(op)
-    return fn.args[1] if isinstance(fn, functools.partial) else None
 
 
 def _takes_tensors(args: tuple, kwargs: dict) -> bool:
