@@ -117,7 +117,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "encoder": Encoder, "encoder-norm-first": lambda: Encoder(True), "decoder": Decoder, "llama": Llama,
 }
 MLP_PLAN = {"*.linear1": ColwiseParallel(), "*.linear2": RowwiseParallel()}
+OUT_PROJ = {"attn.out_proj": RowwiseParallel()}  # its weight only: MultiheadAttention calls F.linear on it
 PLANS: dict[str, dict] = {
+    "mha": OUT_PROJ, "mha-weights": OUT_PROJ, "mha-masks": OUT_PROJ, "mha-seq-first-masks-weights": OUT_PROJ,
     "encoder": MLP_PLAN, "encoder-norm-first": MLP_PLAN, "decoder": MLP_PLAN,
     "llama": {"w[qkv]": ColwiseParallel(), "wo": RowwiseParallel(), "w[13]": ColwiseParallel(),
               "w2": RowwiseParallel()},
