@@ -49,8 +49,9 @@ def _scores_shape(q: Spec, k: Spec) -> tuple[int, ...]:
                aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def flash_attention(call: OpCall, mdim: int) -> list[Strategy]:
     """Batch or heads sharded everywhere; query rows sharded when not causal (forward: output and
-    logsumexp follow; backward: grad_q follows, grad_k and grad_v are Partial). Dropout draws inside
-    the kernel, so with dropout_p > 0 the op runs replicated."""
+    logsumexp follow; backward: grad_q follows, grad_k and grad_v are Partial). Dropout would draw inside
+    the kernel: with dropout_p > 0 the op runs replicated (F.scaled_dot_product_attention with dropout
+    takes the math path on CPU, whose dropout mask is one global draw)."""
     backward = call.op is aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     kinds = _lead_kinds(call)
     q, k = call.ins[kinds.index(True)], call.ins[kinds.index(False)]
