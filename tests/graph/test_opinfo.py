@@ -268,7 +268,7 @@ def run_op(op: Any, mesh: Any) -> Outcome:
 
 def unsupported_op(e: UnsupportedOpError) -> str:
     """The op an UnsupportedOpError names as lacking a rule (the op itself, or one its decomposition reaches)."""
-    found = re.search(r"needs ([\w:.]+)", str(e)) or re.search(r"([a-z_]+::[\w.]+)", str(e))
+    found = re.search(r"decomposition needs ([\w:.]+)", str(e)) or re.search(r"([a-z_]+::[\w.]+)", str(e))
     return found.group(1) if found else str(e).split(":", 1)[0]
 
 
