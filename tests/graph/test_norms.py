@@ -147,3 +147,17 @@ def test_clip_grad_norm_over_sharded_grads(procs: Any, p: float, foreach: bool) 
     close(total, want)
     for r, d in zip(ref, dist, strict=True):
         close(d.grad, r.grad)
+
+
+def test_batch_norm_with_empty_pieces(procs: Any) -> None:
+    """3 samples over dp=2 and a spatial dim of 1 over tp=2: some ranks hold nothing, none hangs, values hold."""
+    torch.manual_seed(6)
+    x, g, w = torch.randn(3, 2, 1), torch.randn(3, 2, 1), torch.randn(2)
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    mean, var = torch.zeros(2), torch.ones(2)
+    F.batch_norm(leaves[0], mean, var, leaves[1], training=True).backward(g)
+    dx, dw = put(x, procs, Shard(0), Shard(2)).requires_grad_(), put(w, procs).requires_grad_()
+    dm, dv = put(torch.zeros(2), procs), put(torch.ones(2), procs)
+    F.batch_norm(dx, dm, dv, dw, training=True).backward(put(g, procs, Shard(0), Shard(2)))
+    for got, want in ((dx.grad, leaves[0].grad), (dw.grad, leaves[1].grad), (dm, mean), (dv, var)):
+        close(got, want, 1e-4)
