@@ -1,5 +1,5 @@
-"""Batch and group norm as reductions: forward and backward ops recorded as means and sums over the batch
-dims (batch norm) or within each sample's groups (group norm).
+"""Norms as reductions: batch norm forward and backward as means and sums over the batch dims, group norm
+within each sample's groups, _foreach_norm as one stacked reduction over all its tensors.
 
 Over a sharded batch each sum is Partial, so the statistics (C values) are all_reduced, never the
 activations. The statistics are computed in two passes like torch's kernel (the mean, then the mean of
@@ -7,6 +7,7 @@ squared deviations); running stats are updated in place with the unbiased varian
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -172,6 +173,19 @@ def native_group_norm_backward(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tens
     return grad_input, grad_weight, grad_bias
 
 
+def foreach_norm(tensors: list[Tensor], ord: float = 2, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """_foreach_norm (clip_grad_norm_'s, foreach=True): each tensor's local sum of |x|^p (max for inf), stacked
+    and combined once (one all_reduce per mesh dim for all the tensors together), then the p-th roots."""
+    p = float(ord)
+    if p not in (1.0, 2.0, math.inf) or not tensors or any(t.numel() == 0 for t in tensors):
+        return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+    xs = [_compute(t if dtype is None else t.to(dtype)).abs() for t in tensors]
+    parts = [torch.amax(x) if p == math.inf else torch.sum(x * x if p == 2 else x) for x in xs]
+    total = _whole(torch.stack(parts))
+    roots = torch.sqrt(total) if p == 2 else total
+    return [r.to(t.dtype if dtype is None else dtype) for r, t in zip(roots.unbind(0), tensors, strict=True)]
+
+
 NORMS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     aten.native_batch_norm.default: native_batch_norm,
     aten._native_batch_norm_legit.default: native_batch_norm,
@@ -182,4 +196,5 @@ NORMS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     aten.batch_norm_backward.default: batch_norm_backward,
     aten.native_group_norm.default: native_group_norm,
     aten.native_group_norm_backward.default: native_group_norm_backward,
+    aten._foreach_norm.Scalar: foreach_norm,
 }
