@@ -55,6 +55,8 @@ def distinct(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def run(mesh: Any, fn: Callable[[Any], Any], x: Any) -> tuple[list[torch.Tensor], list[str]]:
+    """fn(x)'s outputs fetched, and the collectives that fn's ops and the fetches shipped."""
+    mesh._session.flush()  # work recorded earlier ships first
     before = len(mesh._session.collectives)
     out = fn(x)
     got = [t.full_tensor(timeout=30) for t in (out if isinstance(out, tuple) else (out,))]
