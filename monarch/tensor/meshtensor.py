@@ -36,7 +36,17 @@ class MeshTensor(torch.Tensor):
     _backend: Backend
     _handle: Any
     __slots__ = ("_spec", "_backend", "_handle")
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Plain torch semantics (results are not wrapped again), except for the composite ops that read
+        a tensor argument's data in C++ (tensor_split's indices): that argument's values are read first."""
+        kwargs = kwargs or {}
+        if func in _READS_DATA:
+            args = (args[0], *(_whole(a) for a in args[1:]))
+            kwargs = {k: _whole(v) for k, v in kwargs.items()}
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     @staticmethod
     def __new__(cls, spec: Spec, backend: Backend, handle: Any, requires_grad: bool = False) -> MeshTensor:
@@ -114,6 +124,13 @@ class MeshTensor(torch.Tensor):
                             "to get its data, save monarch.full_state_dict(model or optimizer) rather than a "
                             "state_dict() of MeshTensors, or pass it to a compiled function instead of an actor "
                             "endpoint")
+
+
+_READS_DATA = frozenset([torch.tensor_split, torch.Tensor.tensor_split])
+
+
+def _whole(a: Any) -> Any:
+    return a.full_tensor() if type(a) is MeshTensor else a
 
 
 class _Redistribute(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """Ops monarch defines with torch.library (`monarch::matmul`) run on the workers from their kernel table:
 each has an entry there, a worker's engine resolves it with the definition unimportable, and a fresh
 mesh computes batched matmuls (forward, backward, compiled) equal to plain torch. tensor_split with
-tensor indices (or a tensor count of sections) equals plain torch on every placement.
+tensor indices (or a tensor count of sections), plain or MeshTensors, equals plain torch on every placement.
 """
 from __future__ import annotations
 
@@ -87,7 +87,10 @@ def test_tensor_split_with_tensor_indices_equals_plain_torch(data: st.DataObject
     dims = data.draw(tensor_meshes())
     plain = torch.arange(1.0, 1 + torch.Size(shape).numel()).reshape(shape)
     x = monarch.distribute_tensor(plain, reference_mesh(dims), data.draw(placement_tuples(len(shape), len(dims))))
-    got, want = torch.tensor_split(x, split, dim), torch.tensor_split(plain, split, dim)
+    if data.draw(st.booleans()) and isinstance(split, torch.Tensor):  # the indices a MeshTensor too
+        split = monarch.distribute_tensor(split, reference_mesh(dims))
+    got = torch.tensor_split(x, split, dim) if data.draw(st.booleans()) else x.tensor_split(split, dim=dim)
+    want = torch.tensor_split(plain, split.full_tensor() if isinstance(split, monarch.MeshTensor) else split, dim)
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.full_tensor(), w)
