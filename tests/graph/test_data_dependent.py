@@ -2,7 +2,8 @@
 masked_select, x[mask], unique and unique_consecutive (inverse, counts), bincount, histc and histogram
 on randomly placed inputs (uneven, empty and Partial pieces, all-zero and empty tensors) equal plain
 torch exactly; histc over a range and bincount count on the ranks (one all_reduce, no gather); wrong
-masks and inputs fail as plain torch does; a monarch.compile'd step says why it cannot; a real mesh too.
+masks and inputs fail as plain torch does; writes through a mask (index_put) and the gradient of a
+masked read are exact on Partial pieces too; a monarch.compile'd step says why it cannot; a real mesh too.
 """
 from __future__ import annotations
 
@@ -84,6 +85,24 @@ def test_counts_are_added_on_the_ranks_not_gathered(fn: Callable[[Any], Any]) ->
     assert y.placements == (P,)
     assert torch.equal(y.full_tensor(), fn(x))
     assert s.collectives and set(s.collectives) == {"all_reduce[x]"}, s.collectives
+
+
+@pytest.mark.parametrize("placements", [(S0, Shard(1)), (P, R), (R, P), (Shard(1), P)])
+def test_writes_through_a_mask_and_the_gradient_of_a_masked_read(placements: tuple) -> None:
+    base = torch.arange(20.0).reshape(4, 5)
+    mesh = LocalMesh({"a": 2, "b": 2})
+
+    def put(t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t[t > 7] = -1.0
+        return t.index_put_((torch.tensor([0, 2, 0]),), v, accumulate=True)
+    x = put(monarch.distribute_tensor(base, mesh, list(placements)),
+            monarch.distribute_tensor(torch.ones(3, 5), mesh, [P, R]))
+    assert torch.equal(x.full_tensor(), put(base.clone(), torch.ones(3, 5)))
+    x = monarch.distribute_tensor(base, mesh, list(placements)).requires_grad_()
+    x[x > 7].pow(2).sum().backward()
+    plain = base.clone().requires_grad_()
+    plain[plain > 7].pow(2).sum().backward()
+    assert torch.equal(x.grad.full_tensor(), plain.grad)
 
 
 def test_wrong_inputs_fail_as_in_plain_torch() -> None:

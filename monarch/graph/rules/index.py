@@ -1,5 +1,5 @@
 """Rules for joining and indexing ops: cat, stack, index_select, gather, simple index.Tensor, index_add,
-and the fixed-shape forms of data-dependent ones (nonzero_static, histc; see tensor/dynamic.py).
+index_put, and the fixed-shape forms of data-dependent ones (nonzero_static, histc; see tensor/dynamic.py).
 
 A data dim that is not joined or indexed keeps its shard when every tensor input is sharded alike on
 it; a sharded index (with the data replicated) shards the output where the index's values land. The
@@ -87,6 +87,13 @@ def index_add(call: OpCall, mdim: int) -> list[Strategy]:
     if index.ndim == 1 and source.ndim:
         strategies.append(Strategy((SUM, Shard(0), Shard(dim)), (SUM,)))
     return strategies + partials(call, mdim, carriers=[0, 2])
+
+
+@register_rule(aten.index_put.default, aten.index_put_.default)
+def index_put(call: OpCall, mdim: int) -> list[Strategy]:
+    """x[indices] = values (or += with accumulate): linear in x and values together, so Partial ones pass
+    through with the indices replicated (a replicated x or values joins as a Partial piece)."""
+    return partials(call, mdim, carriers=[0, len(call.ins) - 1])
 
 
 @register_rule(aten.nonzero_static.default)
