@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import cast
 
+import torch
+
 from monarch.errors import MeshError
 from monarch.program.collectives import RUN
 from monarch.program.instr import Comm, Free, Start
@@ -72,17 +74,18 @@ class LockstepRunner:
         assert state.done, f"{state.what}: {arrived} of {len(state.raw)} ranks answered"
 
     def run(self, programs: tuple[RankProgram, ...], fetch: Fetch | None, sync: bool) -> CallState | None:
-        run_lockstep(self.engines, programs, self.sizes, self.labels)
-        if not sync:
-            return None
-        state = CallState(self.view, "reference program")
-        sources = fetch.sources() if fetch else {}
-        for r, eng in enumerate(self.engines):
-            try:
-                state.deliver(r, True, codec.dumps_data(eng.fetch(sources.get(r, 0))))
-            except Exception as e:  # noqa: BLE001
-                state.deliver(r, False, e)
-        return state
+        with _as_a_worker():
+            run_lockstep(self.engines, programs, self.sizes, self.labels)
+            if not sync:
+                return None
+            state = CallState(self.view, "reference program")
+            sources = fetch.sources() if fetch else {}
+            for r, eng in enumerate(self.engines):
+                try:
+                    state.deliver(r, True, codec.dumps_data(eng.fetch(sources.get(r, 0))))
+                except Exception as e:  # noqa: BLE001
+                    state.deliver(r, False, e)
+            return state
 
     def invoke(self, call: InvokeProgram, install: tuple[RankProgram, ...] | None) -> None:
         if install is not None:
@@ -92,10 +95,17 @@ class LockstepRunner:
             eng.free(Free(call.frees))
             outers.append(eng.bind(call.inputs, call.feeds))
         try:
-            run_lockstep(self.engines, self._installed[call.pid], self.sizes, self.labels)
+            with _as_a_worker():
+                run_lockstep(self.engines, self._installed[call.pid], self.sizes, self.labels)
         finally:
             for eng, outer in zip(self.engines, outers, strict=True):
                 eng.unbind(call.outputs, outer)
+
+
+def _as_a_worker() -> torch._C.DisableTorchFunction:
+    """The engines run plain torch, as in a worker process: the controller's torch-function modes (the
+    factories of `activate()`, which would make their `torch.rand` a MeshTensor) do not apply to them."""
+    return torch._C.DisableTorchFunction()
 
 
 def run_lockstep(engines: list[Engine], programs: tuple[RankProgram, ...], sizes: tuple[int, ...],

@@ -18,6 +18,8 @@ from strategies import Program, programs, reference_mesh, run_program, tensor_me
 
 import monarch
 from monarch.actor import ProcMesh, this_host
+from monarch.runtime.session import api
+from monarch.runtime.session.local import LocalMesh
 from monarch.runtime.session.session import session_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:monarch. .* has no sharding rule")
@@ -86,3 +88,18 @@ def test_programs_on_processes_equal_torch_and_reference(real_mesh: ProcMesh, da
     assert_same(got, want, program)
     assert_same(got, ref, program)
     assert comms == ref_comms, program
+
+
+def test_factories_under_activate_on_the_reference_mesh_equal_processes(real_mesh: ProcMesh) -> None:
+    """activate() on the in-process mesh: its engines run plain torch (the factory mode does not reach the
+    kernels' own torch.rand), so draws and initialisers give the values a real mesh gives."""
+    def build(mesh: object) -> list[torch.Tensor]:
+        monarch.manual_seed(7)
+        with api.activate(mesh):
+            x, w = torch.randn(5, 3), torch.empty(4, 6)
+            torch.nn.init.kaiming_uniform_(w)
+            return [x.full_tensor(), w.full_tensor(), torch.arange(6).full_tensor()]
+    local, real = build(LocalMesh(dict(real_mesh.extent))), build(real_mesh)
+    for a, b in zip(local, real, strict=True):
+        assert torch.equal(a, b)
+    assert local[0].std() > 0.5 and local[1].abs().sum() > 0
