@@ -10,54 +10,16 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import monarch
 from monarch import Partial, Replicate, Shard
-from tests.strategies import placement_tuples, reference_mesh, tensor_meshes
+from tests.graph.rule_cases import Case, examples, flat
+from tests.strategies import reference_mesh
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial("sum")
-MESHES = ({"x": 1}, {"x": 2}, {"x": 4}, {"dp": 2, "tp": 2})
 pytestmark = pytest.mark.usefixtures("strict")
-
-
-class Case:
-    """One drawn example: a mesh, a generator, and plain tensors distributed with drawn placements."""
-
-    def __init__(self, data: st.DataObject) -> None:
-        self.draw = data.draw
-        self.dims = self.draw(tensor_meshes(MESHES))
-        self.mesh = reference_mesh(self.dims)
-        self.gen = torch.Generator().manual_seed(self.draw(st.integers(0, 2**16)))
-
-    def put(self, t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        placements = self.draw(placement_tuples(t.ndim, len(self.dims), partial=t.dtype.is_floating_point))
-        return monarch.distribute_tensor(t, self.mesh, placements)
-
-    def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=self.gen)
-
-    def run(self, fn: Callable[..., Any], *plain: Any) -> None:
-        """fn on distributed copies of `plain` matches fn on `plain`."""
-        want = fn(*plain)
-        got = fn(*(self.put(t) for t in plain))
-        for g, w in zip(_flat(got), _flat(want), strict=True):
-            if w is None:
-                assert g is None
-            else:
-                torch.testing.assert_close(g.full_tensor(timeout=30), w, rtol=1e-4, atol=1e-5)
-
-
-def _flat(out: Any) -> list[Any]:
-    return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
-def examples(n: int = 25) -> Callable:
-    return lambda f: settings(deadline=None, max_examples=n)(given(data=st.data())(f))
 
 
 def comms(mesh: Any, fn: Callable[[], Any]) -> tuple[Any, list[str]]:
@@ -217,14 +179,14 @@ def test_leading_shards_move_nothing_even_with_empty_pieces(name: str, d: int) -
     x = monarch.distribute_tensor(base.detach(), mesh, {"x": Shard(d)}).requires_grad_()
     out, shipped = comms(mesh, lambda: fn(x))
     want = fn(base)
-    assert shipped == [] and all(t.placements == (Shard(d),) for t in _flat(out)), (shipped, _flat(out))
-    for g, w in zip(_flat(out), _flat(want), strict=True):
+    assert shipped == [] and all(t.placements == (Shard(d),) for t in flat(out)), (shipped, flat(out))
+    for g, w in zip(flat(out), flat(want), strict=True):
         torch.testing.assert_close(g.full_tensor(timeout=30), w, rtol=1e-4, atol=1e-5)
     if name in NO_META_BACKWARD:
         return
-    grad = torch.randn_like(_flat(want)[0])
-    _flat(want)[0].backward(grad)
-    _, shipped = comms(mesh, lambda: _flat(out)[0].backward(monarch.distribute_tensor(grad, mesh, {"x": Shard(d)})))
+    grad = torch.randn_like(flat(want)[0])
+    flat(want)[0].backward(grad)
+    _, shipped = comms(mesh, lambda: flat(out)[0].backward(monarch.distribute_tensor(grad, mesh, {"x": Shard(d)})))
     assert shipped == [] and x.grad.placements == (Shard(d),), shipped
     torch.testing.assert_close(x.grad.full_tensor(timeout=30), base.grad, rtol=1e-4, atol=1e-5)
 

@@ -4,13 +4,11 @@ placements; collectives for the key cases; the rules themselves on hand-built sp
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import monarch
@@ -20,61 +18,13 @@ from monarch.graph.rules.table import RULES, Emit, OpCall, Strategy
 from monarch.program.instr import Buf, Local
 from monarch.shape import Extent
 from monarch.tensor.spec import Spec
-from tests.strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
+from tests.graph.rule_cases import Case, examples
+from tests.strategies import reference_mesh, tensor_shapes
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial("sum")
-MESHES = ({"x": 1}, {"x": 2}, {"x": 4}, {"dp": 2, "tp": 2})
 IGNORE = -100
 pytestmark = pytest.mark.usefixtures("strict")
-
-
-class Case:
-    """One drawn example: a mesh, and plain tensors distributed with drawn placements."""
-
-    def __init__(self, data: st.DataObject) -> None:
-        self.draw = data.draw
-        self.dims = self.draw(tensor_meshes(MESHES))
-        self.mesh = reference_mesh(self.dims)
-        self.gen = torch.Generator().manual_seed(self.draw(st.integers(0, 2**16)))
-        self.placed: list[tuple] = []
-
-    def put(self, t: torch.Tensor | None, partial: bool | None = None) -> Any:
-        """`t` distributed with drawn placements (Partial only for floating tensors)."""
-        if t is None:
-            return None
-        partial = t.dtype.is_floating_point if partial is None else partial
-        placements = self.draw(placement_tuples(t.ndim, len(self.dims), partial=partial))
-        self.placed.append(placements)
-        return monarch.distribute_tensor(t, self.mesh, placements)
-
-    def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=self.gen)
-
-    def run(self, fn: Callable[..., Any], *plain: Any) -> tuple[list[torch.Tensor | None], list[str]]:
-        """fn on the distributed `plain` tensors and on the plain ones; the outputs must match."""
-        want = fn(*plain)
-        before = len(self.mesh._session.collectives)
-        out = fn(*(self.put(t) if isinstance(t, torch.Tensor) else t for t in plain))
-        got = [o.full_tensor(timeout=30) if o is not None else None for o in _flat(out)]
-        for g, w in zip(got, _flat(want), strict=True):
-            if w is None:
-                assert g is None
-            else:
-                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, equal_nan=True)
-        return got, self.mesh._session.collectives[before:]
-
-    def plain_placements(self) -> bool:
-        """No input was Partial."""
-        return not any(p.is_partial() for ps in self.placed for p in ps)
-
-
-def _flat(out: Any) -> list[Any]:
-    return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
-def examples(n: int = 30) -> Callable:
-    return lambda f: settings(deadline=None, max_examples=n)(given(data=st.data())(f))
 
 
 def sharded(case: Case, i: int, dims: set[int]) -> bool:

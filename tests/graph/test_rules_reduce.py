@@ -19,6 +19,7 @@ from monarch.graph.rules.table import RULES, Emit, OpCall, Strategy
 from monarch.program.instr import Buf
 from monarch.shape import Extent
 from monarch.tensor.spec import Spec
+from tests.graph.rule_cases import check, run
 from tests.strategies import placement_tuples, reference_mesh, tensor_meshes, tensor_shapes
 
 aten = torch.ops.aten
@@ -65,21 +66,6 @@ def values(shape: tuple[int, ...], kind: str, seed: int) -> torch.Tensor:
         return torch.randint(-20, 20, shape, generator=gen)
     x = torch.rand(shape, generator=gen)
     return x > 0.5 if kind == "bool" else x + 0.5  # in [0.5, 1.5): products stay finite
-
-
-def run(mesh: Any, fn: Callable[[Any], Any], x: Any) -> tuple[list[torch.Tensor], list[str]]:
-    """fn(x)'s outputs fetched, and the collectives shipped for the op and the fetches."""
-    before = len(mesh._session.collectives)
-    out = fn(x)
-    got = [t.full_tensor(timeout=30) for t in (out if isinstance(out, tuple) else (out,))]
-    return got, mesh._session.collectives[before:]
-
-
-def check(got: list[torch.Tensor], want: Any) -> None:
-    want = list(want) if isinstance(want, tuple) else [want]
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
 @st.composite
