@@ -125,7 +125,7 @@ def gathered(func: Any, *args: Any, **kwargs: Any) -> Any:
     """`func` run here on the whole tensors; its tensors come back replicated on the inputs' mesh."""
     like = next(a for a in (*args, *kwargs.values()) if hasattr(a, "full_tensor"))
     try:
-        out = func(*_whole(args), **_whole(kwargs))
+        out = func(*whole(args), **whole(kwargs))
     except TraceError as e:
         raise TraceError(f"{func.name()}: {WHY} ({e})") from None
 
@@ -136,13 +136,14 @@ def gathered(func: Any, *args: Any, **kwargs: Any) -> Any:
     return back(out)
 
 
-def _whole(obj: Any) -> Any:
+def whole(obj: Any) -> Any:
+    """`obj` (nested tuples, lists, dicts) with every MeshTensor replaced by its full data."""
     if hasattr(obj, "full_tensor"):
         return obj.full_tensor()
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_whole(o) for o in obj)
+        return type(obj)(whole(o) for o in obj)
     if isinstance(obj, dict):
-        return {k: _whole(v) for k, v in obj.items()}
+        return {k: whole(v) for k, v in obj.items()}
     return obj
 
 

@@ -28,6 +28,7 @@ from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.control.controller import controller
 from monarch.runtime.control.futures import CallState, Future, Waiter
 from monarch.runtime.session.lower import lower, lower_install
+from monarch.tensor.dynamic import whole
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
 from monarch.tensor.spec import Spec
@@ -80,7 +81,7 @@ class Session:
             return parts(*args, **kwargs)
         if not _returns_tensors(func):  # item(), bool(t), torch.equal: a sync point, run on fetched data
             self._sync_point(func.name())
-            return func(*_on_controller(args), **_on_controller(kwargs))
+            return func(*whole(args), **whole(kwargs))
         out = self.tracer.record(func, args, kwargs)
         if self.tracer.n_ops >= self.flush_ops and not self.capturing:
             self.flush()
@@ -95,10 +96,10 @@ class Session:
                              "while the step is recorded; draw outside the step and pass the tensor in, or drop "
                              "generator= to draw from monarch.manual_seed's stream")
         if not writes_first_arg(func):
-            return self.tracer._constants(func(*_on_controller(args), **_on_controller(kwargs)))
+            return self.tracer._constants(func(*whole(args), **whole(kwargs)))
         target = args[0]
         blank = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype)
-        return target.copy_(func(blank, *_on_controller(args[1:]), **_on_controller(kwargs)))
+        return target.copy_(func(blank, *whole(args[1:]), **whole(kwargs)))
 
     def redistribute(self, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
         if placements == t._spec.placements:
@@ -232,17 +233,6 @@ def _generator_slot(func: Any) -> tuple[int, str] | None:
 @functools.cache
 def _returns_tensors(func: Any) -> bool:
     return any("Tensor" in str(r.type) for r in func._schema.returns)
-
-
-def _on_controller(obj: Any) -> Any:
-    """`obj` with every MeshTensor replaced by its full data."""
-    if isinstance(obj, MeshTensor):
-        return obj.full_tensor()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_on_controller(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _on_controller(v) for k, v in obj.items()}
-    return obj
 
 
 def _cut(programs: tuple[RankProgram, ...], start: int, stop: int | None) -> tuple[RankProgram, ...]:
