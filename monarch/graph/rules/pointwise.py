@@ -1,4 +1,5 @@
-"""Rules for pointwise ops (unary, binary, ternary; broadcasting; scalars; comparisons; casts; in-place).
+"""Rules for pointwise ops (unary, binary, ternary; broadcasting; scalars; comparisons; casts; in-place;
+the pointwise `special_*` ops and the elementwise prims their decompositions reach).
 
 An output dim can be sharded when every input that really has that dim (not broadcast) is sharded on
 it too. Ops that are linear in an input also pass `Partial(sum)` through: `neg(P)`, `P + P`, `P * R`,
@@ -55,6 +56,24 @@ def _ops(names: list[str]) -> list[torch._ops.OpOverload]:
     return out
 
 
+def _special_ops() -> list[torch._ops.OpOverload]:
+    """Every `aten::special_*` overload torch tags pointwise (Bessel functions, orthogonal polynomials, ...)."""
+    packets = (getattr(aten, n) for n in sorted(dir(aten)) if n.startswith("special_"))
+    return [op for p in packets for o in p.overloads() if "out" not in o
+            and torch.Tag.pointwise in (op := getattr(p, o)).tags]
+
+
+def _elementwise_prims() -> list[torch._ops.OpOverload]:
+    """The prims tagged pointwise, and those built as elementwise ops though untagged (their meta is torch's
+    elementwise one: prims::bessel_j0, erfcx, zeta, ...)."""
+    prims = torch.ops.prims
+    elementwise = torch._prims._prim_elementwise_meta
+    ops = (getattr(prims, n).default for n in sorted(dir(prims))
+           if isinstance(getattr(prims, n), torch._ops.OpOverloadPacket) and "default" in getattr(prims, n).overloads())
+    return [op for op in ops if torch.Tag.nondeterministic_seeded not in op.tags and (
+        torch.Tag.pointwise in op.tags or getattr(getattr(op, "prim_meta_impl", None), "func", None) is elementwise)]
+
+
 def pointwise(call: OpCall, mdim: int) -> list[Strategy]:
     out = call.outs[0]
     n_in, n_out = len(call.ins), len(call.outs)
@@ -77,5 +96,6 @@ def _scalar_free(call: OpCall) -> bool:
     return True
 
 
-for _op in _ops(UNARY) + _ops(BINARY) + _ops(TERNARY) + _ops(sorted(LINEAR_ALL)):
+for _op in (_ops(UNARY) + _ops(BINARY) + _ops(TERNARY) + _ops(sorted(LINEAR_ALL)) + _special_ops()
+            + _elementwise_prims()):
     register_rule(_op)(pointwise)
