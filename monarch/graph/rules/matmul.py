@@ -1,4 +1,5 @@
-"""Rules for matmul-like ops, written as einsum strings: mm, bmm, addmm, baddbmm, dot, mv, addmv.
+"""Rules for matmul-like ops, written as einsum strings: mm, bmm, addmm, baddbmm, addbmm, dot, mv, addmv,
+and _trilinear (nn.functional.bilinear), whose string comes from its expand and sum dims.
 
 From "mk,kn->mn": sharding a letter kept in the output shards every operand that has it; sharding a
 contracted letter shards both operands on it and leaves a `Partial(sum)` output; the op is linear in
@@ -22,8 +23,9 @@ EINSUM = {
     aten.addmm.default: "mk,kn->mn",
     aten.baddbmm.default: "bmk,bkn->bmn",
     aten.addmv.default: "mk,k->m",
+    aten.addbmm.default: "bmk,bkn->mn",
 }
-ADDITIVE = {aten.addmm.default, aten.baddbmm.default, aten.addmv.default}  # first input is added to the product
+ADDITIVE = {aten.addmm.default, aten.baddbmm.default, aten.addbmm.default, aten.addmv.default}  # first input is added to the product
 
 
 def einsum_strategies(eq: str) -> list[tuple[tuple[Placement, ...], Placement]]:
@@ -61,3 +63,22 @@ def matmul(call: OpCall, mdim: int) -> list[Strategy]:
             ins = (_term_placement(call, out_p), *ins)
         strategies.append(Strategy(ins, (out_p,)))
     return strategies
+
+
+@register_rule(aten._trilinear.default)
+def trilinear(call: OpCall, mdim: int) -> list[Strategy]:
+    """i1, i2, i3 unsqueezed at their `expand` dims, multiplied and summed over `sumdim`: one letter per
+    dim of the product, each operand lacking its expanded ones, the output lacking the summed ones. A
+    letter some operand broadcasts along (size 1 against a larger size) is not sharded."""
+    ndim = call.ins[0].ndim + len(call.arg(3, "expand1"))
+    letters = "abcdefghijklmnopqrstuvwxyz"[:ndim]
+    operands = ["".join(c for d, c in enumerate(letters) if d not in set(call.arg(k, f"expand{k - 2}")))
+                for k in (3, 4, 5)]
+    sizes: dict[str, set[int]] = {}
+    for spec, op in zip(call.ins, operands, strict=True):
+        for c, n in zip(op, spec.shape, strict=True):
+            sizes.setdefault(c, set()).add(n)
+    summed = set(call.arg(6, "sumdim"))
+    eq = f"{','.join(operands)}->{''.join(c for d, c in enumerate(letters) if d not in summed)}"
+    return [Strategy(ins, (out,)) for ins, out in einsum_strategies(eq)
+            if all(len(sizes[op[p.dim]]) == 1 for op, p in zip(operands, ins) if isinstance(p, Shard))]
