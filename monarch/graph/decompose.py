@@ -22,6 +22,7 @@ from monarch import config
 from monarch.errors import UnsupportedOpError
 from monarch.graph.norms import NORMS
 from monarch.graph.rules.table import rule_for
+from monarch.graph.trace import owned
 
 OpOverload = torch._ops.OpOverload
 MAX_DEPTH = 6   # decompositions inside decompositions
@@ -66,6 +67,10 @@ def _implicit(op: OpOverload) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
+def _returns_views(op: OpOverload) -> bool:
+    return any(r.alias_info is not None for r in op._schema.returns)
+
+
 def _decomposable(op: OpOverload) -> bool:
     """Ops whose decomposition keeps their meaning on a mesh: tensor results, no views (a view must alias
     its base), no random draws (their numbers come from monarch's own seeded stream)."""
@@ -82,7 +87,8 @@ def _checked(op: OpOverload, fn: Decomposition, *args: Any, **kwargs: Any) -> An
     missing = _dry_run(op, fn, args, kwargs)
     if missing is None:
         with _deeper(int(not _implicit(op))):
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+        return out if _returns_views(op) else owned(out)
     if config.strict():
         raise UnsupportedOpError(f"{op.name()}: no sharding rule, and its decomposition needs {missing}, which has "
                                  "none; register one with @register_rule in monarch/graph/rules/<family>.py, or "

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.utils._mode_utils import no_dispatch
+from torch.utils._pytree import tree_leaves
 
 from monarch.errors import ShapeError, UnsupportedOpError
 from monarch.graph.propagate import Decision, decide
 from monarch.graph.redistribute import Plan, emit_step, plan
 from monarch.graph.rules.table import Emit, OpCall, writes_first_arg
+from monarch.graph.rules.view import COPYING_VIEWS
 from monarch.program.instr import Buf, Instr, Local
 from monarch.shape import Extent
 from monarch.tensor.meshtensor import Backend, MeshTensor
@@ -37,8 +39,9 @@ NodeEmitter = Callable[[Emit], Sequence[Instr]]
 class Value:
     """The handle a MeshTensor holds: its buffer id and the node that produces it.
 
-    `copied_view` marks a view whose base had to be redistributed first: it views a copy, so a write
-    through it would not reach the base, and in-place ops on it are refused.
+    `copied_view` marks a view whose base had to be redistributed first, or whose ranks view a copy of
+    their piece (`COPYING_VIEWS`): a write through it would not reach the base, and in-place ops on it
+    are refused.
     """
     __slots__ = ("id", "node", "tracer", "copied_view")
 
@@ -187,7 +190,9 @@ class Tracer:
             self.seeded(node)
         outs = [self.wrap(spec, node, i) for spec, i in zip(entry.decision.outs, ids, strict=True)]
         if entry.inplace:
-            if args[0]._handle.copied_view:
+            reshaped = torch.Tag.inplace_view in func.tags  # squeeze_, t_: the target's shape changes, no data
+            outs[0]._handle.copied_view = reshaped and args[0]._handle.copied_view
+            if args[0]._handle.copied_view and not reshaped:
                 raise UnsupportedOpError(
                     f"{func.name()}: writing through a view whose base MeshTensor had to be redistributed "
                     f"(now {ins[0]._spec}) would not reach the base; redistribute the base first so the view "
@@ -195,7 +200,8 @@ class Tracer:
             if self.capture is not None:
                 self.capture.touched.append(weakref.ref(args[0]))
             return _rebind(args[0], outs[0])
-        if entry.view and ins and (srcs[0][1] != ins[0]._handle.id or ins[0]._handle.copied_view):
+        if entry.view and ins and (srcs[0][1] != ins[0]._handle.id or ins[0]._handle.copied_view
+                                   or func in COPYING_VIEWS):
             for o in outs:
                 o._handle.copied_view = True
         return entry.build(outs)
@@ -371,6 +377,16 @@ def _structure(func: Any, result: Any) -> tuple[list[torch.Tensor], Callable[[li
         return [result[i] for i in where], build
     raise UnsupportedOpError(f"{func.name()} returns {type(result).__name__}, not tensors; monarch cannot run it on "
                              "a MeshTensor yet; call .full_tensor() first")
+
+
+def owned(result: Any) -> Any:
+    """`result` of an op whose schema says its outputs alias no input, run as a decomposition that ended in
+    a view (repeat's last reshape): they view only the decomposition's temporaries, so even where those had
+    to move, a write through them loses nothing and is allowed."""
+    for t in tree_leaves(result):
+        if type(t) is MeshTensor and isinstance(t._handle, Value):
+            t._handle.copied_view = False
+    return result
 
 
 def _rebind(target: MeshTensor, out: MeshTensor) -> MeshTensor:

@@ -1,4 +1,5 @@
-"""Rules for view and shape ops: view, expand, transpose/t/permute, squeeze/unsqueeze, slice, select, split.
+"""Rules for view and shape ops: view, expand, transpose/t/permute, squeeze/unsqueeze (and in place),
+slice, select, split/unbind (unsafe and copying forms too), diagonal, unfold, rev (flip) and as_strided.
 
 A shard survives when its dim maps to an output dim whose pieces are exactly the images of the input's
 pieces, checked for every nesting over mesh dims (uneven pieces included); otherwise that dim must be
@@ -7,12 +8,16 @@ global: their emitters rewrite them per rank.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+
+import torch
 
 from monarch.graph.rules.common import aten, kept, partials, resized
-from monarch.graph.rules.table import Emit, Emitter, OpCall, Strategy, op_name, register_rule
+from monarch.graph.rules.table import RULES, Emit, Emitter, OpCall, Strategy, op_name, register_rule
 from monarch.program.instr import Local
 from monarch.tensor.placement import R, Shard, local_bounds
 from monarch.tensor.spec import Spec
@@ -23,9 +28,19 @@ Match = Callable[[Range, Range], bool]
 PERMUTING = sorted([aten.permute.default, aten.t.default, aten.transpose.int], key=str)
 RESHAPING = sorted([aten._unsafe_view.default, aten.view.default], key=str)
 SQUEEZING = sorted([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], key=str)
-DROPS = {aten.select.int, aten.unbind.int}  # ops whose output loses `dim`
+DROPS = {aten.select.int, aten.unbind.int, aten.unbind_copy.int}  # ops whose output loses `dim`
 DROPPING = sorted([aten.select.int, aten.split.Tensor, aten.split.default, aten.split.sizes,
-                   aten.split_with_sizes.default, aten.unbind.int], key=str)
+                   aten.split_with_sizes.default, aten.split_with_sizes_copy.default, aten.unbind.int,
+                   aten.unbind_copy.int, aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default], key=str)
+IN_PLACE_VIEWS = {aten.squeeze_.default: aten.squeeze.default, aten.squeeze_.dim: aten.squeeze.dim,
+                  aten.squeeze_.dims: aten.squeeze.dims, aten.unsqueeze_.default: aten.unsqueeze.default,
+                  aten.transpose_.default: aten.transpose.int, aten.t_.default: aten.t.default}
+prims = torch.ops.prims
+DIAGONALS = sorted([aten.diagonal.default, aten.diagonal_copy.default], key=str)
+UNFOLDS = sorted([aten.unfold.default, aten.unfold_copy.default], key=str)
+AS_STRIDED = sorted([aten.as_strided.default, aten.as_strided_copy.default], key=str)
+AS_STRIDED_SCATTERS = sorted([aten.as_strided_scatter.default, prims.as_strided_scatter.default], key=str)
+COPYING_VIEWS = frozenset({aten.as_strided.default})  # views whose local kernel reads a copy of the piece
 
 
 # -- shards that survive a change of dim size ---------------------------------------------------------
@@ -139,7 +154,7 @@ def _permutation(call: OpCall) -> list[int]:
     perm = list(range(n))
     if call.op == aten.permute.default:
         return [d % n for d in call.arg(1, "dims")]
-    if call.op == aten.transpose.int:
+    if call.op in (aten.transpose.int, aten.transpose_.default):
         a, b = call.arg(1, "dim0") % max(n, 1), call.arg(2, "dim1") % max(n, 1)
     else:
         a, b = (0, 1) if n == 2 else (0, 0)
@@ -160,9 +175,9 @@ def squeeze(call: OpCall, mdim: int) -> list[Strategy]:
 def _squeezed(call: OpCall) -> list[int]:
     x = call.ins[0]
     asked: Iterable[int]
-    if call.op == aten.squeeze.default:
+    if call.op in (aten.squeeze.default, aten.squeeze_.default):
         asked = range(x.ndim)
-    elif call.op == aten.squeeze.dim:
+    elif call.op in (aten.squeeze.dim, aten.squeeze_.dim):
         asked = [call.arg(1, "dim")]
     else:
         asked = call.arg(1, "dim")
@@ -178,6 +193,19 @@ def unsqueeze(call: OpCall, mdim: int) -> list[Strategy]:
     x = call.ins[0]
     new = call.arg(1, "dim") % (x.ndim + 1)
     return follow(call, mdim, {k: k + (k >= new) for k in range(x.ndim)})
+
+
+@register_rule(*sorted(IN_PLACE_VIEWS, key=str))
+def in_place_view(call: OpCall, mdim: int) -> list[Strategy]:
+    """squeeze_, unsqueeze_, transpose_, t_: the rule of the plain view; each rank runs the plain view on
+    its piece (a new local tensor, as in torch only the target's shape changes, never a view sharing it)."""
+    plain = replace(call, op=IN_PLACE_VIEWS[call.op])
+    return [Strategy(s.inputs, s.outputs, functools.partial(_as_plain, s.emit)) for s in RULES[plain.op](plain, mdim)]
+
+
+def _as_plain(emit: Emitter | None, ctx: Emit) -> list[Local]:
+    ctx = replace(ctx, call=replace(ctx.call, op=IN_PLACE_VIEWS[ctx.call.op]))
+    return emit(ctx) if emit is not None else ctx.default()
 
 
 # -- slice, select, unbind, split --------------------------------------------------------------------
@@ -222,7 +250,8 @@ def _slice_emit(ctx: Emit) -> list[Local]:
 
 @register_rule(*DROPPING)
 def select_split(call: OpCall, mdim: int) -> list[Strategy]:
-    """select/unbind drop `dim`, split keeps it; either way `dim` itself must be replicated."""
+    """select/unbind drop `dim`, split keeps it; either way `dim` itself must be replicated. The copying
+    and unsafe forms place alike."""
     x = call.ins[0]
     drops = call.op in DROPS
     dim = call.arg(1 if drops else 2, "dim", 0) % x.ndim
@@ -240,3 +269,89 @@ def placed_back(call: OpCall, mdim: int) -> list[Strategy]:
     else:
         dims = {k: k for k in range(out.ndim) if k != dim}
     return follow(call, mdim, dims, resized)
+
+
+# -- diagonal: the two diagonal dims whole ------------------------------------------------------------
+def _diagonal_dims(ndim: int, d1: int, d2: int) -> dict[int, int]:
+    """Input dim -> output dim for every dim but the two diagonal ones (the diagonal comes last)."""
+    rest = [k for k in range(ndim) if k not in (d1 % ndim, d2 % ndim)]
+    return {k: o for o, k in enumerate(rest)}
+
+
+@register_rule(*DIAGONALS)
+def diagonal(call: OpCall, mdim: int) -> list[Strategy]:
+    x = call.ins[0]
+    return follow(call, mdim, _diagonal_dims(x.ndim, call.arg(2, "dim1", 0), call.arg(3, "dim2", 1)))
+
+
+@register_rule(aten.diagonal_scatter.default)
+def diagonal_scatter(call: OpCall, mdim: int) -> list[Strategy]:
+    """`src` (the new diagonal) is sharded where the input's other dims are."""
+    x = call.ins[0]
+    dims = _diagonal_dims(x.ndim, call.arg(3, "dim1", 0), call.arg(4, "dim2", 1))
+    moved = [Strategy((Shard(k), Shard(o)), (Shard(k),)) for k, o in sorted(dims.items())]
+    return moved + partials(call, mdim)
+
+
+@register_rule(aten.diagonal_backward.default)
+def diagonal_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    """The gradient placed on the diagonal of zeros of the input's shape, sized per rank."""
+    out = call.outs[0]
+    dims = _diagonal_dims(out.ndim, call.arg(3, "dim1"), call.arg(4, "dim2"))
+    return follow(call, mdim, {o: k for k, o in dims.items()}, resized)
+
+
+# -- unfold: the unfolded dim whole -------------------------------------------------------------------
+@register_rule(*UNFOLDS)
+def unfold(call: OpCall, mdim: int) -> list[Strategy]:
+    """Windows along `dimension` (which must be whole); the window dim is new and last."""
+    x = call.ins[0]
+    dim = call.arg(1, "dimension") % max(x.ndim, 1)
+    return follow(call, mdim, {k: k for k in range(x.ndim) if k != dim})
+
+
+@register_rule(aten.unfold_backward.default)
+def unfold_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    out = call.outs[0]
+    dim = call.arg(2, "dim") % max(out.ndim, 1)
+    return follow(call, mdim, {k: k for k in range(out.ndim) if k != dim}, resized)
+
+
+# -- prims.rev (flip, fliplr, flipud, rot90): the reversed dims whole ---------------------------------
+@register_rule(prims.rev.default)
+def rev(call: OpCall, mdim: int) -> list[Strategy]:
+    """Reversed dims are replicated: a reversed shard would put rank k's piece on rank n-1-k, a
+    permutation no collective here performs. Each rank flips its piece."""
+    x = call.ins[0]
+    flipped = {d % x.ndim for d in call.arg(1, "dims")} if x.ndim else set()
+    return follow(call, mdim, {k: k for k in range(x.ndim) if k not in flipped}, _flip_emit)
+
+
+def _flip_emit(ctx: Emit) -> list[Local]:
+    return [Local("aten::flip", (ctx.args[0], list(ctx.call.arg(1, "dims"))), {}, ctx.out_ids)]
+
+
+# -- as_strided: the whole tensor ---------------------------------------------------------------------
+@register_rule(*AS_STRIDED)
+def as_strided(call: OpCall, mdim: int) -> list[Strategy]:
+    """Only on whole tensors (replicated or Partial): sizes and strides address the global storage."""
+    return [Strategy((R,), (R,), _strided(None))] + partials(call, mdim, emit=_strided(None))
+
+
+@register_rule(*AS_STRIDED_SCATTERS)
+def as_strided_scatter(call: OpCall, mdim: int) -> list[Strategy]:
+    scatter = _strided("aten::as_strided_scatter")
+    return [Strategy((R, R), (R,), scatter)] + partials(call, mdim, emit=scatter)
+
+
+def _strided(name: str | None) -> Emitter:
+    """The op (or kernel `name`) on a copy of the piece laid out as the global tensor: strides and
+    storage offset address the storage of a tensor of the input's global shape and strides at offset
+    0, as tracing on meta tensors read them, while a piece may be a view or laid out otherwise."""
+    def emit(ctx: Emit) -> list[Local]:
+        spec, x = ctx.ins[0], ctx.args[0]
+        blank, base = ctx.tmp(), ctx.tmp()
+        return [Local("aten::new_empty_strided", (x, list(spec.shape), list(spec.stride)), {}, (blank.id,)),
+                Local("aten::copy_", (blank, x), {}, (base.id,)),
+                Local(name or op_name(ctx.call.op), (base, *ctx.args[1:]), ctx.kwargs, ctx.out_ids)]
+    return emit
