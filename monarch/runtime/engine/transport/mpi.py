@@ -4,7 +4,8 @@ Each collective makes its piece contiguous with the dim it concatenates along mo
 every member's piece is one flat run of elements; uneven pieces become the counts of the v-variants
 (Allgatherv, Reduce_scatter, Alltoallv). Communicators are created once per group of world ranks with
 MPI_Comm_create_group, which only the members take part in. dtypes numpy lacks travel as raw bits
-(bfloat16 as int16) and are reduced in float32.
+(bfloat16 as int16) and are reduced in float32; lazy conjugate and negative views (`x.conj()`, which
+numpy cannot read) are materialized first.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class MpiTransport:
 
     def __call__(self, ins: Comm, x: torch.Tensor) -> torch.Tensor:
         comm = self.comm_for(self.group_of(ins.mdim))
-        return KINDS[ins.kind](comm, ins, x)
+        return KINDS[ins.kind](comm, ins, x.resolve_conj().resolve_neg())
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Begin a non-blocking all_reduce of a flat bucket; the returned callable waits for it."""
