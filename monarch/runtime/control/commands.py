@@ -1,7 +1,7 @@
 """Control-plane messages: frozen dataclasses, the only things that travel between processes.
 
 Controller -> worker: SpawnActor, Call, RunProgram, Stop, Supervise, Heartbeat. Worker -> controller:
-Hello, Reply, Forward, and empty frames as heartbeats. Monitor -> controller: ProcExit. Payloads a user
+Hello, Reply, Forward, Busy, and empty frames as heartbeats. Monitor -> controller: ProcExit. Payloads a user
 supplies (classes, arguments, return values) stay opaque bytes so that one bad payload fails one call,
 never the connection.
 """
@@ -23,6 +23,15 @@ class Hello:
     """First frame of a worker after the handshake."""
     pid: int
     host: str
+
+
+@dataclass(frozen=True)
+class Busy:
+    """A worker is about to run something that may hold the GIL (so stop its heartbeats) for up to `seconds`,
+    e.g. loading torch's libraries on the first tensor program: the controller does not fail it for that long
+    (or until the next Busy: `Busy(0)` ends the excuse)."""
+    seconds: float
+    what: str
 
 
 @dataclass(frozen=True)

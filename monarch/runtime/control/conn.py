@@ -49,6 +49,7 @@ class Conn:
         self.mesh: Mesh | None = None
         self.opened = self.heard = time.monotonic()  # heard: when a heartbeat check last saw `fresh`
         self.fresh = False  # bytes came from the peer since the last heartbeat check
+        self.excused_until = 0.0  # silence is no failure before this (the peer said it is Busy)
 
     def send(self, frame: bytes) -> None:
         with self.lock:

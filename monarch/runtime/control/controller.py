@@ -24,7 +24,7 @@ from typing import Any
 from monarch import config
 from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
 from monarch.runtime.control import codec, heartbeat, launch
-from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, Call, Forward, Heartbeat, Hello, MeshFailure,
+from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, Busy, Call, Forward, Heartbeat, Hello, MeshFailure,
                                               ProcExit, Reply, ShipTelemetry, Stop, Supervise, describe_exit,
                                               describe_status)
 from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, TelemetrySink
@@ -343,6 +343,9 @@ class Controller:
         if all(c is not None for c in mesh.conns) and all(mesh.pids):
             mesh.settled.set()
 
+    def _busy(self, conn: Conn, msg: Busy) -> None:
+        conn.excused_until = time.monotonic() + msg.seconds
+
     def _proc_exit(self, conn: Conn, msg: ProcExit) -> None:
         mesh = conn.mesh
         assert mesh is not None
@@ -407,7 +410,7 @@ class Controller:
 
 HANDLERS: dict[type, Callable[[Controller, Conn, Any], None]] = {  # by the type of a message from a peer
     Reply: Controller._reply, Forward: Controller._forward, Events: Controller._events, Hello: Controller._hello,
-    ProcExit: Controller._proc_exit}
+    ProcExit: Controller._proc_exit, Busy: Controller._busy}
 
 _controller: Controller | None = None
 _controller_lock = threading.Lock()

@@ -3,7 +3,8 @@
 Worker side, `Sender`: every send of a worker goes through its lock (frames never interleave), and a
 daemon thread sends an empty frame whenever nothing was sent for a while; it needs nothing from the
 main thread, so it beats while an endpoint or a kernel runs. Controller side, `Watch`: fails a worker
-silent for its mesh's timeout, counting only time during which the controller itself was polling.
+silent for its mesh's timeout, counting only time during which the controller itself was polling, and
+not while the worker said it is `Busy` (loading torch's libraries holds the GIL, which stops the beats).
 Neither end reads a clock per message: a send or a read only sets a flag that the timers look at.
 """
 from __future__ import annotations
@@ -106,7 +107,7 @@ class Watch:
             if conn.fresh:
                 conn.fresh, conn.heard = False, now
             silent = now - max(conn.heard, self._resumed)
-            if silent > mesh.heartbeat:
+            if silent > mesh.heartbeat and now >= conn.excused_until:
                 fail(mesh, rank, mesh.pids[rank],
                      f"no heartbeat for {silent:.1f} s (MONARCH_HEARTBEAT_TIMEOUT={mesh.heartbeat:g}): the "
                      "process is stopped, stuck in code that holds the GIL, or cut off from the controller")

@@ -21,7 +21,7 @@ from monarch.errors import TransportError
 from monarch.runtime.actors.hosting import HostedActor
 from monarch.runtime.control import codec
 from monarch.runtime.control.client import set_client
-from monarch.runtime.control.commands import (CONTROLLER, Call, Forward, Heartbeat, InstallProgram, InvokeProgram,
+from monarch.runtime.control.commands import (CONTROLLER, Busy, Call, Forward, Heartbeat, InstallProgram, InvokeProgram,
                                               Reply, RunProgram, ShipTelemetry, SpawnActor, Stop, Supervise)
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.heartbeat import Sender
@@ -29,6 +29,8 @@ from monarch.runtime.control.spin import AdaptiveSpin
 from monarch.runtime.telemetry.events import (BATCH, MEMORY_EVERY_S, RECORDER, Events, cuda_bytes, now_us,
                                               record_logging, rss_bytes)
 from monarch.shape import Shape
+
+IMPORT_GRACE_S = 120.0  # how long loading torch (it holds the GIL, so no heartbeat goes out) may take
 
 
 class Worker:
@@ -52,6 +54,7 @@ class Worker:
         self._arrived: dict[int, int] = {}  # id(Call) -> when it arrived (µs), for the messages table
         self._ran: list[tuple[Call, int, int, bool]] = []  # calls run since the last flush: start, end, ok
         self._tensors: Any = None  # the tensor engine, created (with torch) on the first RunProgram
+        self._torch_loaded = False  # torch is imported here (frames that mention it need no Busy)
         self._sampled = 0.0  # time.monotonic() of the last memory sample
 
     def serve(self) -> None:
@@ -100,7 +103,7 @@ class Worker:
         arrived = now_us() if RECORDER.on else 0
         for body in self._reader.feed(data):
             try:
-                msgs = codec.decode_frame(body)
+                msgs = self._decode(body)
             except Exception as e:  # noqa: BLE001 - drop one bad frame, keep serving
                 print(f"monarch worker: dropped an undecodable frame: {e!r}", file=sys.stderr)
                 continue
@@ -113,6 +116,20 @@ class Worker:
                     self._inbox.append(msg)
                 else:
                     print(f"monarch worker: dropped unknown message {type(msg).__name__}", file=sys.stderr)
+
+    def _decode(self, body: bytes) -> list[Any]:
+        """The frame's messages. The first frame that needs torch (a tensor program, a tensor argument) loads
+        it while decoding, which holds the GIL for seconds on a loaded machine: the controller is told first
+        (Busy), so that the missing heartbeats during the load do not fail this worker."""
+        if self._torch_loaded or b"torch" not in body or "torch" in sys.modules:
+            self._torch_loaded = self._torch_loaded or "torch" in sys.modules
+            return codec.decode_frame(body)
+        self.sender.sendall(codec.encode_frame([Busy(IMPORT_GRACE_S, "loading torch")]))  # now, not queued
+        try:
+            return codec.decode_frame(body)
+        finally:
+            self.sender.sendall(codec.encode_frame([Busy(0.0, "")]))  # silence counts again
+            self._torch_loaded = True
 
     def _lost(self, err: Exception) -> None:
         self._stopped = True
