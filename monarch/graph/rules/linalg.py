@@ -4,8 +4,10 @@ Each op is one row of `CORES`: how many trailing "core" (matrix or vector) dims 
 every output has; the dims before them are batch dims, broadcast between the inputs as in torch. A batch
 dim shards freely: every input that has it (not broadcast) shards it, the others stay replicated, and
 every output that has it keeps the shard. Core dims are replicated (gathered when they come sharded).
-Output shapes are computed on meta tensors; the ops torch has no meta kernel for (geqrf, linalg_lstsq,
-and linalg_pinv with tolerances given as CPU scalars) get one here.
+The error check of linalg.inv, cholesky, solve (`_linalg_check_errors`) returns no tensor, so it runs on
+the controller on the fetched `info` (a sync point): a failure in any rank's piece raises torch's own
+error there. Output shapes come from meta tensors; the ops torch has no meta kernel for (geqrf,
+linalg_lstsq, linalg_pinv with tolerances given as CPU scalars) get one here.
 """
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ def batch_placement(spec: Spec, core: int, batch: tuple[int, ...], j: int) -> Pl
 
 @register_rule(*CORES)
 def batched(call: OpCall, mdim: int) -> list[Strategy]:
+    """One strategy per batch dim (of the inputs' broadcast batch) of size > 1."""
     ins_core = tensor_cores(call)
     outs_core = [_rhs(call) if c == RHS else c for c in CORES[call.op][1]]
     batch = tuple(torch.broadcast_shapes(*(batch_of(s, c) for s, c in zip(call.ins, ins_core, strict=True))))
@@ -91,14 +94,13 @@ def batched(call: OpCall, mdim: int) -> list[Strategy]:
 _META = torch.library.Library("aten", "IMPL")
 
 
-def _column_major(batch: tuple[int, ...], rows: int, cols: int, like: torch.Tensor,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
+def _column_major(batch: tuple[int, ...], rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
     """An empty (*batch, rows, cols) meta tensor laid out as LAPACK writes it (each matrix column-major)."""
     stride, step = [1, rows], rows * cols
     for n in reversed(batch):
         stride.insert(0, step)
         step *= n
-    return torch.empty_strided((*batch, rows, cols), stride, dtype=dtype or like.dtype, device=like.device)
+    return torch.empty_strided((*batch, rows, cols), stride, dtype=like.dtype, device=like.device)
 
 
 def _geqrf_meta(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
