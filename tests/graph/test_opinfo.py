@@ -1,10 +1,11 @@
 """torch's OpInfo samples for every op monarch claims, sharded on a real 4-process mesh vs plain torch.
 
-An OpInfo is claimed when every aten op its samples dispatch (on tensors) has a sharding rule or a
-decomposition. Everything runs under MONARCH_STRICT=1; each sample runs with its tensors replicated, then
-sharded on their largest dims (two mesh-dim orders); outputs must match plain torch on the controller, with
-no wrong value anywhere. Ops in `opinfo_passing.txt` must keep passing, at least MIN_PASSING pass; what is
-missing is reported by family. MONARCH_OPINFO_REPORT=path also writes the full table to that file;
+An OpInfo is claimed when every aten op its samples dispatch (on tensors) has a sharding rule, a
+decomposition, or a rewrite of its data-dependent shape into such ops. Everything runs under
+MONARCH_STRICT=1; each sample runs with its tensors replicated, then sharded on their largest dims (two
+mesh-dim orders); outputs must match plain torch on the controller, with no wrong value anywhere. Ops
+in `opinfo_passing.txt` must keep passing, at least MIN_PASSING pass; what is missing is reported by
+family. MONARCH_OPINFO_REPORT=path also writes the full table to that file;
 MONARCH_OPINFO_OPS=regex runs only the OpInfos whose names match (the floors are then not checked).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from monarch.errors import MonarchError, SupervisionError, UnsupportedOpError
 from monarch.graph.decompose import decomposition
 from monarch.graph.rules.table import RULES
 from monarch.runtime.control.futures import Future
+from monarch.tensor import dynamic
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, R, Shard
 
@@ -167,15 +169,21 @@ def cases_of(op: Any, out: Outcome) -> list[Case]:
 
 def unclaimed(cases: list[Case], out: Outcome) -> bool:
     """True (and `out` marked skipped) when some dispatched aten op has no rule or is random. An op that
-    dispatches none (conj, contiguous, item of a real tensor) is claimed: it must hand the MeshTensor back."""
+    dispatches none (conj, contiguous, item of a real tensor) is claimed: it must hand the MeshTensor back.
+    So is one rewritten into ops of known shapes after reading a few values (nonzero, unique, equal)."""
     funcs = set().union(*(c.funcs for c in cases)) - IGNORED
     random = sorted(str(f) for f in funcs if torch.Tag.nondeterministic_seeded in f.tags)
-    missing = sorted(str(f.name()) for f in funcs if f not in RULES and decomposition(f) is None)
+    missing = sorted(str(f.name()) for f in funcs if not covered(f))
     if random or missing:
         out.status, out.missing = "skip", () if random else tuple(missing)
         out.detail = "random: " + ", ".join(random) if random else "no rule: " + ", ".join(missing)
         return True
     return False
+
+
+def covered(f: torch._ops.OpOverload) -> bool:
+    """`f` has a sharding rule, a decomposition, or a rewrite of its data-dependent shape (tensor/dynamic.py)."""
+    return f in RULES or decomposition(f) is not None or dynamic.rewrites(f)
 
 
 def largest_dims(t: torch.Tensor, n: int) -> list[Placement]:
