@@ -5,12 +5,14 @@ a Partial self when the reduction includes self (sum, prod, amax, amin: a Partia
 or add self and src pass their Partials through."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from monarch.graph.rules.common import aten, kept
-from monarch.graph.rules.table import OpCall, Strategy, register_rule
+from monarch.graph.rules.table import Emit, OpCall, Strategy, register_rule
+from monarch.program.instr import Local
 from monarch.tensor.placement import Partial, Placement, R, Shard
 from monarch.tensor.spec import Spec
 
@@ -157,7 +159,7 @@ def segment_reduce(call: OpCall, mdim: int) -> list[Strategy]:
     `axis` shards data and output; a dim before `axis` shards lengths/offsets too."""
     data, *segments = call.ins
     axis = segment_axis(call, data)
-    return [Strategy((Shard(k), *(Shard(k) if k < axis else R for _ in segments)), (Shard(k),))
+    return [Strategy((Shard(k), *(Shard(k) if k < axis else R for _ in segments)), (Shard(k),), emit_segments)
             for k in range(data.ndim) if k != axis]
 
 
@@ -166,5 +168,14 @@ def segment_reduce_backward(call: OpCall, mdim: int) -> list[Strategy]:
     """(grad, output, data, reduce, lengths/offsets, axis): the forward's dims, grad and output alike."""
     data, segments = call.ins[2], call.ins[3:]
     axis = segment_axis(call, data)
-    return [Strategy((Shard(k),) * 3 + tuple(Shard(k) if k < axis else R for _ in segments), (Shard(k),))
-            for k in range(data.ndim) if k != axis]
+    return [Strategy((Shard(k),) * 3 + tuple(Shard(k) if k < axis else R for _ in segments), (Shard(k),),
+                     emit_segments) for k in range(data.ndim) if k != axis]
+
+
+def emit_segments(ctx: Emit) -> list[Local]:
+    """The op; a rank whose piece of the output is empty makes it with new_zeros instead (torch refuses
+    segments of an empty piece)."""
+    shape = ctx.local_out_shape()
+    if math.prod(shape):
+        return ctx.default()
+    return [Local("aten::new_zeros", (ctx.args[0], list(shape)), {"dtype": ctx.outs[0].dtype}, ctx.out_ids)]
