@@ -3,13 +3,14 @@
 Each mesh dim is decided on its own: of the rule's strategies (plus "all replicated"), the one whose
 input redistributions move the fewest bytes (`redistribute.cost`) wins; ties go to fewer redistribution
 steps, then to a sharded output, then to a Partial one. An op with no rule runs replicated, with a
-one-time warning (an UnsupportedOpError under MONARCH_STRICT=1).
+one-time warning (an UnsupportedOpError under MONARCH_STRICT=1), counted per op name (`fallback_counts`).
 """
 from __future__ import annotations
 
 import os
 import sys
 import warnings
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from monarch.tensor.placement import Partial, R, Shard
 from monarch.tensor.spec import Spec
 
 _warned: set[str] = set()
+_fallbacks: Counter[str] = Counter()  # op name -> decisions that fell back
 _POINT = Extent(("point",), (1,))  # a mesh dim of size 1
 _INTERNAL = tuple(str(Path(f).parent) + os.sep for f in (torch.__file__, config.__file__))  # torch/, monarch/
 
@@ -96,6 +98,7 @@ def _fallback(call: OpCall) -> Decision:
         raise UnsupportedOpError(f"{name}: no sharding rule (inputs {list(call.ins)}); register one with "
                                  "@register_rule in monarch/graph/rules_<family>.py, or unset MONARCH_STRICT to "
                                  "run it replicated")
+    _fallbacks[name] += 1
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"monarch: {name} has no sharding rule; its inputs are gathered and it runs replicated "
@@ -105,6 +108,11 @@ def _fallback(call: OpCall) -> Decision:
     ins = tuple(spec.with_placements(tuple(s.inputs[i] for _ in range(ndim))) for i, spec in enumerate(call.ins))
     outs = tuple(spec.with_placements(tuple(s.outputs[i] for _ in range(ndim))) for i, spec in enumerate(call.outs))
     return Decision(ins, outs, (s,) * ndim, None)
+
+
+def fallback_counts() -> dict[str, int]:
+    """A copy of how many op decisions of each name fell back to gather-and-replicate in this process."""
+    return dict(_fallbacks)
 
 
 def _user_stacklevel() -> int:

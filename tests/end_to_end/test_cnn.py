@@ -1,4 +1,4 @@
-"""A small CNN (Conv2d, BatchNorm2d, ReLU, MaxPool2d, Linear) trained data-parallel over dp=2.
+"""The zoo's small CNN (Conv2d, BatchNorm2d, ReLU, MaxPool2d, Linear) trained data-parallel over dp=2.
 
 Each rank's convolutions see only its share of the batch (placements, local shapes and the traced
 graph say so, and the forward gathers nothing); five SGD steps, eager and under monarch.compile, give
@@ -16,74 +16,30 @@ import torch.nn.functional as F
 from torch import nn
 
 import monarch
-from monarch import MeshTensor, Shard
+from monarch import Shard
 from monarch.actor import this_host
 from monarch.runtime.session.local import LocalMesh
 from monarch.runtime.session.session import session_of
 from monarch.tensor.placement import R
+from tests.end_to_end import zoo_runs
+from tests.end_to_end.zoo_runs import STEPS, TOL, assert_same_state, conv_inputs, value, zoo
 
-T = 60.0  # seconds any single wait may take
-STEPS = 5
-TOL = dict(rtol=1e-5, atol=1e-5)
 pytestmark = pytest.mark.usefixtures("strict")
 
 
-class CNN(nn.Module):
-    def __init__(self, norm: bool = True, classes: int = 5) -> None:
-        super().__init__()
-        layer = (lambda c: nn.BatchNorm2d(c)) if norm else (lambda c: nn.Identity())
-        self.features = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), layer(4), nn.ReLU(), nn.MaxPool2d(2),
-                                      nn.Conv2d(4, 6, 3, padding=1, bias=False), layer(6), nn.ReLU(), nn.MaxPool2d(2))
-        self.head = nn.Linear(6 * 2 * 2, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).flatten(1))
-
-
-def batches(n: int, batch: int = 6, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 5, (batch,), generator=g)) for _ in range(n)]
+def batches(n: int, batch: int = 6) -> list[zoo.Batch]:
+    return zoo.images(zoo.Size(batch=batch), n)
 
 
 def pair(norm: bool, mesh: Any) -> tuple[nn.Module, nn.Module]:
     """A data-parallel model on `mesh` and its untouched plain twin."""
     torch.manual_seed(0)
-    ref = CNN(norm)
+    ref = zoo.CNN(norm=norm)
     return monarch.data_parallel(copy.deepcopy(ref), mesh), ref
 
 
-def value(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor(timeout=T) if isinstance(t, MeshTensor) else t
-
-
-def train(model: nn.Module, data: list, compiled: bool = False) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    run = monarch.compile(step) if compiled else step
-    return [value(run(x, y)).item() for x, y in data]
-
-
-def assert_same_state(model: nn.Module, ref: nn.Module) -> None:
-    """Parameters and buffers (BatchNorm's running statistics included) equal plain torch's."""
-    got, want = monarch.full_state_dict(model, timeout=T), ref.state_dict()
-    assert got.keys() == want.keys()
-    for name, w in want.items():
-        torch.testing.assert_close(got[name], w, **TOL, msg=lambda m, name=name: f"{name}: {m}")
-
-
-def conv_inputs(model: nn.Module) -> list[MeshTensor]:
-    """The inputs every Conv2d of `model` sees from now on (forward pre-hooks)."""
-    seen: list[MeshTensor] = []
-    for m in model.modules():
-        if isinstance(m, nn.Conv2d):
-            m.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
-    return seen
+def train(model: nn.Module, data: list[zoo.Batch], compiled: bool = False) -> list[float]:
+    return zoo_runs.train(model, zoo.VARIANTS["cnn"], data, compiled)
 
 
 # -- the batch is really split ----------------------------------------------------------------------
@@ -133,7 +89,7 @@ def test_tensor_parallel_convs() -> None:
     forward's one all_reduce over tp; five steps match plain torch and the shards stay put."""
     mesh = LocalMesh({"dp": 2, "tp": 2})
     torch.manual_seed(0)
-    ref = CNN(norm=False)
+    ref = zoo.CNN(norm=False)
     model = copy.deepcopy(ref)
     first, second = model.features[0], model.features[4]
     for module, name, p in ((first, "weight", Shard(0)), (first, "bias", Shard(0)), (second, "weight", Shard(1))):
