@@ -6,14 +6,15 @@ wrapper holds no storage: only the global shape, stride and dtype, the Spec and 
 """
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from monarch.errors import ShardingError
-from monarch.tensor import dynamic, ops
+from monarch.errors import ShardingError, TraceError
+from monarch.tensor import attention, dynamic, ops
 from monarch.tensor.ops import batched
 from monarch.tensor.placement import Placement, normalize
 from monarch.tensor.spec import Spec
@@ -30,18 +31,36 @@ class Backend(Protocol):
     def fetch(self, t: MeshTensor) -> Any: ...
 
 
+class _NotTraceable:
+    """An attribute MeshTensor lacks (a class or an instance has no such attribute), except that asking a
+    MeshTensor for it while Dynamo traces for `torch.compile(fullgraph=True)` raises the TraceError."""
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        if obj is not None and torch.compiler.is_compiling():
+            _refuse_one_graph()
+        raise AttributeError("__tensor_flatten__")
+
+
 class MeshTensor(torch.Tensor):
     """A global tensor sharded over a mesh; behaves like a plain tensor under torch ops."""
     _spec: Spec
     _backend: Backend
     _handle: Any
     __slots__ = ("_spec", "_backend", "_handle")
+    __tensor_flatten__ = _NotTraceable()  # what Dynamo asks first of each MeshTensor it meets
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         """Plain torch semantics (results are not wrapped again), except for the composite ops that read
-        a tensor argument's data in C++ (tensor_split's indices): that argument's values are read first."""
+        a tensor argument's data in C++ (tensor_split's indices): that argument's values are read first;
+        and those monarch records its own way (`_WHOLE`) when they apply."""
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            _refuse_one_graph()
+        if func in _WHOLE:
+            out = _WHOLE[func](*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if func in _READS_DATA:
             args = (args[0], *(_whole(a) for a in args[1:]))
             kwargs = {k: _whole(v) for k, v in kwargs.items()}
@@ -127,6 +146,10 @@ class MeshTensor(torch.Tensor):
 
 
 _READS_DATA = frozenset([torch.tensor_split, torch.Tensor.tensor_split])
+_WHOLE: dict[Any, Any] = {  # composite ops that would merge a sharded batch dim with another dim
+    torch.nn.functional.linear: ops.linear_call,
+    torch.nn.functional.multi_head_attention_forward: attention.multi_head_attention_forward,
+}
 
 
 def _whole(a: Any) -> Any:
@@ -169,6 +192,34 @@ def _tensor_args(args: tuple, kwargs: dict | None) -> Iterator[MeshTensor]:
             yield a
         elif isinstance(a, (list, tuple)):
             yield from (b for b in a if type(b) is MeshTensor)
+
+
+class _OneGraphError(TraceError, torch._dynamo.exc.ShortenTraceback):
+    """A TraceError that Dynamo hands to the caller of the compiled function as it is, its traceback cut
+    at `frame` and its message without the frames Dynamo appends."""
+
+    def __init__(self, message: str, frame: types.FrameType | None) -> None:
+        super().__init__(message, first_useful_frame=frame)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@torch._dynamo.assume_constant_result
+def _refuse_one_graph() -> None:
+    """Raises when Dynamo traces a MeshTensor op for `torch.compile(fullgraph=True)`: without fullgraph it
+    graph-breaks there and runs the op eagerly. Dynamo runs this at trace time (a constant result)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # not inside Dynamo's tracer (another tracer compiles)
+        return
+    if tx is not None and (tx.one_graph or tx.error_on_graph_break):
+        raise _OneGraphError(
+            "torch.compile(fullgraph=True) cannot capture MeshTensor ops: Dynamo cannot trace them into one "
+            "graph (their data lives on the mesh's workers). Use @monarch.compile to record a step once and "
+            "replay it, or torch.compile without fullgraph=True, which runs MeshTensor ops eagerly", sys._getframe())
 
 
 def _run_eagerly_under_torch_compile(*classes: type) -> None:

@@ -1,11 +1,14 @@
-"""Ops monarch adds to torch so that a MeshTensor keeps them whole: `monarch::matmul`.
+"""Ops monarch adds to torch so that a MeshTensor keeps them whole: `monarch::matmul`, `monarch::linear`.
 
 `a @ b` on MeshTensors with batch dims would reach the rule table as expand, a view merging the batch
 dims, bmm and a view back; merging a sharded inner batch dim (attention's heads) with its outer one
-cannot keep the shard, so every attention matmul would move data. Recorded as one op, the batched
-matmul has an einsum rule in which every batch dim may stay sharded.
+cannot keep the shard, so every attention matmul would move data. F.linear on a (seq, batch, features)
+input merges seq with the batch the same way. Recorded as one op, each has an einsum rule in which
+every batch dim may stay sharded.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -31,6 +34,55 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> t
 
 
 matmul.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("monarch::linear", mutates_args=())
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` for an input of at least 3 dims: "...k,nk->...n" plus the bias."""
+    return torch.nn.functional.linear(x, w, b)
+
+
+@linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("monarch::linear_weight_grad", mutates_args=())
+def linear_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The weight gradient of `linear`: "...n,...k->nk", a sum over every leading dim."""
+    lead = list(range(x.ndim - 1))
+    return torch.tensordot(grad, x, dims=(lead, lead))
+
+
+@linear_weight_grad.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((grad.shape[-1], x.shape[-1]))
+
+
+def _linear_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    x, w, b = inputs
+    ctx.save_for_backward(x, w)  # type: ignore[attr-defined]
+    ctx.has_bias = b is not None  # type: ignore[attr-defined]
+
+
+def _linear_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, w = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad
+    gx = linear(grad, w.t(), None) if need_x else None
+    gw = linear_weight_grad(grad, x) if need_w else None
+    gb = grad.sum(list(range(grad.ndim - 1))) if need_b and ctx.has_bias else None
+    return gx, gw, gb
+
+
+linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def linear_call(input: Any, weight: Any, bias: Any = None) -> Any:
+    """`F.linear` as `monarch::linear` for an input of 3 dims or more, else NotImplemented."""
+    if (isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor) and input.ndim >= 3 and weight.ndim == 2
+            and (bias is None or isinstance(bias, torch.Tensor) and bias.ndim == 1)):
+        return linear(input, weight, bias)
+    return NotImplemented
 
 
 def batched(a: object, b: object) -> bool:

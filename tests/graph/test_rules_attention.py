@@ -195,3 +195,46 @@ def test_partial_values_and_grad_pass_through() -> None:
     close(out.full_tensor(timeout=30), w.detach())
     for got, t in zip(xs, want, strict=True):
         close(got.grad.full_tensor(timeout=30), t.grad)
+
+
+class _SelfAttention(nn.Module):
+    """nn.MultiheadAttention over (batch, seq, embed) inputs, batch first or not, with its weights added."""
+
+    def __init__(self, batch_first: bool, need_weights: bool) -> None:
+        super().__init__()
+        self.batch_first, self.need_weights = batch_first, need_weights
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=batch_first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x if self.batch_first else x.transpose(0, 1)
+        out, weights = self.attn(h, h, h, need_weights=self.need_weights)
+        out = out if self.batch_first else out.transpose(0, 1)
+        return out if weights is None else out + weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("batch", [4, 3])
+def test_mha_data_parallel_moves_no_activations(batch_first: bool, need_weights: bool, batch: int) -> None:
+    """A data-parallel MultiheadAttention step (batch sharded, evenly or not, weights replicated) runs
+    no collective but the all_reduce of each weight gradient; values and gradients equal torch's."""
+    torch.manual_seed(0)
+    ref = _SelfAttention(batch_first, need_weights)
+    model = copy.deepcopy(ref)
+    mesh = reference_mesh({"dp": 2})
+    monarch.data_parallel(model, mesh)
+    x = torch.randn(batch, 3, 16, generator=torch.Generator().manual_seed(1))
+    s = mesh._session
+    s.flush()
+    before = len(s.collectives)
+    out = model(x)
+    out.pow(2).mean().backward()
+    grads = [p.grad.redistribute([R]) for p in model.parameters()]
+    s.flush()
+    kinds = [str(c).split("[")[0] for c in s.collectives[before:]]
+    assert set(kinds) == {"all_reduce"} and len(kinds) <= len(grads), kinds
+    want = ref(x)
+    want.pow(2).mean().backward()
+    close(out.full_tensor(timeout=30), want.detach())
+    for g, p in zip(grads, ref.parameters(), strict=True):
+        close(g.full_tensor(timeout=30), p.grad)

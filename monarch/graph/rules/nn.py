@@ -1,13 +1,17 @@
 """Rules for neural-network ops: softmax and log_softmax, layer norm, embedding, nll_loss and nll_loss2d
-(and their backward ops), native_dropout; cross_entropy reaches dispatch as _log_softmax +
-nll_loss(2d)_forward, F.dropout on CPU tensors as a bernoulli_ mask (rules/factory.py) times the input.
+(and their backward ops), native_dropout, `monarch::linear` (F.linear on 3+ dims) and its weight
+gradient; cross_entropy reaches dispatch as _log_softmax + nll_loss(2d)_forward, F.dropout on CPU
+tensors as a bernoulli_ mask (rules/factory.py) times the input.
 
 Rows stay sharded along dims the op does not mix (batch dims); parameter gradients summed over a
 sharded batch become Partial(sum). A vocab-sharded embedding looks up its own rows and masks the rest.
 """
 from __future__ import annotations
 
-from monarch.graph.rules.common import aten, uniform_piece
+import torch
+
+from monarch.graph.rules.common import aten, broadcast_shard, uniform_piece
+from monarch.graph.rules.matmul import einsum_strategies  # imports monarch.tensor.ops: torch.ops.monarch
 from monarch.graph.rules.table import Emit, OpCall, Strategy, op_name, register_rule
 from monarch.program.instr import Buf, Local
 from monarch.tensor.placement import P, Placement, R, Shard
@@ -181,3 +185,35 @@ def emit_dropout(ctx: Emit) -> list[Local]:
     return [draw, Local("aten::lt.Scalar", (u, keep), {}, (mask,)),
             Local("aten::mul.Tensor", (ctx.args[0], Buf(mask)), {}, (kept.id,)),
             Local("aten::mul.Scalar", (kept, 1.0 / keep if keep else 0.0), {}, (out,))]
+
+
+# -- monarch::linear: F.linear on an input of 3 dims or more, kept whole ------------------------------
+@register_rule(torch.ops.monarch.linear.default)
+def linear(call: OpCall, mdim: int) -> list[Strategy]:
+    """"...k,nk->...n" with every leading dim a letter of its own; the bias follows the output's last
+    dim, and is Partial (kept on one rank) when the product is."""
+    x, out = call.ins[0], call.outs[0]
+    lead = "abcdefgh"[:x.ndim - 1]
+    strategies = [Strategy((R, R, R)[:len(call.ins)], (R,), _emit_linear)]
+    for ins, out_p in einsum_strategies(f"{lead}k,nk->{lead}n"):
+        if len(call.ins) == 3:
+            ins = (*ins, broadcast_shard(call.ins[2], out, out_p.dim) if isinstance(out_p, Shard) else out_p)
+        strategies.append(Strategy(ins, (out_p,), _emit_linear))
+    return strategies
+
+
+def _emit_linear(ctx: Emit) -> list[Local]:
+    return [Local("aten::linear", ctx.args, ctx.kwargs, ctx.out_ids)]
+
+
+@register_rule(torch.ops.monarch.linear_weight_grad.default)
+def linear_weight_grad(call: OpCall, mdim: int) -> list[Strategy]:
+    """"...n,...k->nk": a sharded leading dim gives a Partial sum."""
+    lead = "abcdefgh"[:call.ins[1].ndim - 1]
+    return [Strategy(ins, (out,), _emit_weight_grad)
+            for ins, out in [((R, R), R), *einsum_strategies(f"{lead}n,{lead}k->nk")]]
+
+
+def _emit_weight_grad(ctx: Emit) -> list[Local]:
+    lead = list(range(ctx.call.ins[1].ndim - 1))
+    return [Local("aten::tensordot", (*ctx.args, lead, lead), {}, ctx.out_ids)]
