@@ -1,7 +1,8 @@
 """torch.compile on MeshTensors inside a mesh: Dynamo graph-breaks at MeshTensor and runs the recording
 eagerly, so a compiled model (forward and backward) and a compiled function give the values eager mode
 gives, in a controller process of their own whose stderr stays clean (no Dynamo warnings, no traceback,
-nothing "ignored" in a destructor).
+nothing "ignored" in a destructor). With fullgraph=True, which allows no graph break, the call raises one
+TraceError pointing to monarch.compile, every time, and the same function without it still works.
 """
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ with this_host().spawn_procs(per_host={"dp": 2, "tp": 2}) as procs:
     b = monarch.distribute_tensor(torch.randn(2, 4, 5), procs, {"tp": monarch.Shard(0)})
     for _ in range(2):  # the second call runs what Dynamo cached
         assert same(fn(a, b), (a @ b).softmax(-1) * 2)
+    cases = [(lambda t: t.transpose(-1, -2) * 2, a), (lambda t: model(t).sum(), x),
+             (lambda t: t @ b.transpose(-1, -2), b)]  # a method call, a module, an operator
+    for f, arg in cases:
+        full = torch.compile(f, fullgraph=True)
+        for _ in range(2):
+            try:
+                full(arg)
+                raise AssertionError("fullgraph=True compiled MeshTensor ops")
+            except monarch.TraceError as e:
+                assert "fullgraph=True" in str(e) and "@monarch.compile" in str(e), str(e)
+                assert "from user code" not in str(e), str(e)
+        assert same(torch.compile(f)(arg), f(arg))
     print("OK")
 """
 
