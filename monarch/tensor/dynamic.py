@@ -146,7 +146,7 @@ def _slice_runs(x: torch.Tensor, dim: int, order: torch.Tensor | None, inverse: 
     n = x.shape[dim]
     none = x.new_zeros((0,), dtype=torch.long)
     if n == 0:
-        return x.clone(), x.new_zeros((0,), dtype=torch.long) if inverse else none, none.clone()
+        return x.clone(), none, none.clone()
     taken = x if order is None else x.index_select(dim, order)
     differs = taken.narrow(dim, 1, n - 1) != taken.narrow(dim, 0, n - 1)
     others = [d for d in range(x.ndim) if d != dim]

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import placement_tuples, tensor_shapes
 from test_rules_view import MESHES, check
+from torch.utils._pytree import tree_leaves
 
 import monarch
 from monarch.actor import ProcMesh
@@ -181,5 +182,5 @@ def test_on_a_real_mesh(procs: ProcMesh) -> None:
                  "histogramdd range density", "unique dim", "repeat_interleave dim", "take"):
         want = ONE[name](x)
         got = ONE[name](monarch.distribute_tensor(x, procs, {"dp": S0, "tp": Shard(1)}))
-        for g, w in zip(*(list(o) if isinstance(o, tuple) else [o] for o in (got, want)), strict=True):
+        for g, w in zip(tree_leaves(got), tree_leaves(want), strict=True):
             assert torch.equal(g.full_tensor(timeout=30), w), name
