@@ -231,6 +231,21 @@ def test_max_partial_passes_through_amax() -> None:
         assert out.placements == (MAX,) and comms == [], (out.placements, comms)
 
 
+
+def test_adding_ops_pass_only_sum_partials() -> None:
+    """index_add and accumulating index_put of two P(max) operands: the pieces' sums are not the sum of
+    their maxima, so the operands are reduced first (an overwriting index_put keeps P(max))."""
+    gen = torch.Generator().manual_seed(4)
+    x, y, i = torch.randn(2, 4, 3, generator=gen), torch.randn(2, 2, 3, generator=gen), torch.tensor([0, 2])
+    mesh = reference_mesh({"x": 2})
+    out, _ = placed(mesh, lambda x, y, i: x.amax(0).index_add(0, i, y.amax(0)), (x, [Shard(0)]), (y, [Shard(0)]),
+                    (i, [R]))
+    assert out.placements != (MAX,)
+    for accumulate in (True, False):
+        out, _ = placed(mesh, lambda x, y, i: torch.index_put(x.amax(0), (i,), y.amax(0), accumulate),
+                        (x, [Shard(0)]), (y, [Shard(0)]), (i, [R]))
+        assert (out.placements == (MAX,)) != accumulate, (accumulate, out.placements)
+
 def test_empty_pieces() -> None:
     """Most of the 4 ranks hold nothing of a size-1 or size-2 dim; every rank still gives the right result."""
     gen = torch.Generator().manual_seed(3)

@@ -77,23 +77,31 @@ def index(call: OpCall, mdim: int) -> list[Strategy]:
 @register_rule(aten.index_add.default, aten.index_add_.default)
 def index_add(call: OpCall, mdim: int) -> list[Strategy]:
     """(x, dim, index, source): dims off `dim` sharded alike in x and source; or the index and source
-    sharded along it, each rank adding its rows into a Partial x; Partial x and source pass through."""
+    sharded along it, each rank adding its rows into a Partial x; Partial(sum) x and source pass through
+    (a sum of pieces' maxima is not the maximum of the sum)."""
     x, index, source = call.ins
     if not x.ndim:
-        return partials(call, mdim, carriers=[0, 2])
+        return summed(partials(call, mdim, carriers=[0, 2]))
     dim = call.arg(1, "dim") % x.ndim
     strategies = [Strategy((Shard(k), R, Shard(k)), (Shard(k),)) for k in kept(x.ndim, dim, False)
                   if x.shape[k] == source.shape[k]]
     if index.ndim == 1 and source.ndim:
         strategies.append(Strategy((SUM, Shard(0), Shard(dim)), (SUM,)))
-    return strategies + partials(call, mdim, carriers=[0, 2])
+    return strategies + summed(partials(call, mdim, carriers=[0, 2]))
 
 
 @register_rule(aten.index_put.default, aten.index_put_.default)
 def index_put(call: OpCall, mdim: int) -> list[Strategy]:
-    """x[indices] = values (or += with accumulate): linear in x and values together, so Partial ones pass
-    through with the indices replicated (a replicated x or values joins as a Partial piece)."""
-    return partials(call, mdim, carriers=[0, len(call.ins) - 1])
+    """x[indices] = values (or += with accumulate): a selection of x and values (any Partial passes through
+    with the indices replicated; a replicated x or values joins as a Partial piece), or their sum (only
+    Partial(sum) does)."""
+    strategies = partials(call, mdim, carriers=[0, len(call.ins) - 1])
+    return summed(strategies) if call.arg(3, "accumulate", False) else strategies
+
+
+def summed(strategies: list[Strategy]) -> list[Strategy]:
+    """The strategies whose output is Partial(sum)."""
+    return [s for s in strategies if s.outputs[0] == SUM]
 
 
 @register_rule(aten.nonzero_static.default)
