@@ -43,7 +43,6 @@ CORES: dict[OpOverload, tuple[dict[str, int], tuple[int, ...]]] = {
     aten.linalg_lu_solve.default: ({"LU": 2, "pivots": 1, "B": 2}, (2,)),
     aten.linalg_matrix_exp.default: ({"self": 2}, (2,)),
     aten.linalg_pinv.atol_rtol_tensor: ({"self": 2, "atol": 0, "rtol": 0}, (2,)),
-    aten.linalg_pinv.rcond_tensor: ({"self": 2, "rcond": 0}, (2,)),
     aten.linalg_qr.default: ({"A": 2}, (2, 2)),
     aten.linalg_solve_triangular.default: ({"self": 2, "B": 2}, (2,)),
     aten.lu_unpack.default: ({"LU_data": 2, "LU_pivots": 1}, (2, 2, 2)),
