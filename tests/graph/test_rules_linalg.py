@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import monarch
 from monarch import Partial, Replicate, Shard
+from monarch.errors import UnsupportedOpError
 from monarch.runtime.session.session import session_of
 from tests.graph.rule_cases import Case, check, examples, flat, run
 from tests.strategies import reference_mesh
@@ -156,6 +157,26 @@ def test_pinv_tolerance_tensors_broadcast() -> None:
                                                         rtol=monarch.distribute_tensor(rtol, mesh, (R, Shard(0)))),
                      monarch.distribute_tensor(a, mesh, BATCH))
     check(got, torch.linalg.pinv(a, atol=atol, rtol=rtol), rtol=1e-4, atol=1e-4)
+    assert comms == [], comms
+
+
+@pytest.mark.parametrize("driver", ["gels", "gelsy", "gelsd", "gelss"])
+@pytest.mark.parametrize("rows", [3, 5])
+def test_lstsq_drivers(driver: str, rows: int) -> None:
+    """Every output (solution, residuals, ranks, singular values, or their empty stand-ins) as torch's, the
+    batch sharded; gelsd and gelss with more rows than columns refuse: torch returns residuals only when
+    every matrix has full rank, which the shapes cannot tell."""
+    mesh = reference_mesh({"dp": 2, "tp": 2})
+    a, b = torch.randn(4, 3, rows, 4), torch.randn(4, 3, rows, 2)
+    fn = lambda x, y: tuple(torch.linalg.lstsq(x, y, driver=driver))  # noqa: E731
+    put = lambda t: monarch.distribute_tensor(t, mesh, BATCH)  # noqa: E731
+    a = a[..., :3] if rows == 5 else a
+    if rows == 5 and driver in ("gelsd", "gelss"):
+        with pytest.raises(UnsupportedOpError, match="full rank|ranks of the matrices"):
+            fn(put(a), put(b))
+        return
+    got, comms = run(mesh, lambda y: fn(put(a), y), put(b))
+    check(got, fn(a, b), rtol=1e-3, atol=1e-3)
     assert comms == [], comms
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from monarch.errors import UnsupportedOpError
 from monarch.graph.rules.common import aten
 from monarch.graph.rules.table import OpCall, OpOverload, Strategy, register_rule
 from monarch.tensor.placement import Placement, R, Shard
@@ -119,7 +120,7 @@ def _lstsq_meta(a: torch.Tensor, b: torch.Tensor, rcond: float | None = None,
     (m, n), k = a.shape[-2:], rhs.shape[-1]
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], rhs.shape[:-2]))
     if m > n and driver in ("gelss", "gelsd"):
-        raise NotImplementedError(f"linalg.lstsq with driver={driver!r} and more rows than columns: whether it "
+        raise UnsupportedOpError(f"linalg.lstsq with driver={driver!r} and more rows than columns: whether it "
                                   "returns residuals depends on the ranks of the matrices; use driver='gels' or "
                                   "'gelsy' on a MeshTensor, or compute the residuals from the solution")
     solution = _column_major(batch, max(m, n), k, a).narrow(-2, 0, n)
