@@ -4,6 +4,7 @@ Importing this package imports every family once, so whoever reads `RULES` sees 
 """
 from monarch.graph.rules import attention  # noqa: F401
 from monarch.graph.rules import conv  # noqa: F401
+from monarch.graph.rules import distance  # noqa: F401
 from monarch.graph.rules import fft  # noqa: F401
 from monarch.graph.rules import linalg  # noqa: F401
 from monarch.graph.rules import scatter  # noqa: F401
