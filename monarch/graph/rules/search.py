@@ -35,10 +35,9 @@ def histogram(call: OpCall, mdim: int) -> list[Strategy]:
 @register_rule(aten._histogramdd_from_bin_tensors.default)
 def histogramdd(call: OpCall, mdim: int) -> list[Strategy]:
     """(x of (..., N), N edge tensors, weight of (...)?): x sharded off its last dim."""
-    x = call.ins[0]
     if call.kwargs.get("density"):
         return []
-    return counted(call, mdim, range(max(x.ndim - 1, 0)), x.shape[-1] if x.ndim else 1, 0)
+    return counted(call, mdim, range(max(call.ins[0].ndim - 1, 0)), len(call.arg(1, "bins")), 0)
 
 
 def counted(call: OpCall, mdim: int, dims: range, n_edges: int, n_edge_outs: int) -> list[Strategy]:
