@@ -39,6 +39,7 @@ pytestmark = pytest.mark.timeout(300)  # one module fixture runs every OpInfo (a
 PASSING = Path(__file__).with_name("opinfo_passing.txt")
 MAX_SAMPLES = 4          # samples per op (the first usable ones)
 TIMEOUT = 20.0           # seconds for any one fetch
+WARMUP = 180.0           # seconds for the first one (the workers load torch)
 MIN_CLAIMED = 250        # sanity floor on the number of claimed OpInfos (289 when written)
 MIN_PASSING = 440        # strict mode: OpInfos passing every sample (288 before decompositions, 440 after)
 FAMILIES = (("linalg", ("linalg", "cholesky", "_lu", "lu_", "svd", "qr", "eig", "triangular", "inverse", "det")),
@@ -340,6 +341,8 @@ def run(procs: Any) -> Run:
     """Every OpInfo run once on the module's mesh (strict: an op without a rule fails instead of gathering)."""
     from torch.testing._internal.common_methods_invocations import op_db  # slow import; needs expecttest
     outcomes: dict[str, Outcome] = {}
+    warm = monarch.distribute_tensor(torch.zeros(2), procs)  # the workers load torch before the timed fetches
+    monarch.fetch(warm).get(WARMUP)
     hung, start = "", time.monotonic()
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         mp.setenv("MONARCH_STRICT", "1")
