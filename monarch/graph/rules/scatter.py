@@ -119,6 +119,12 @@ def masked_scatter(call: OpCall, mdim: int) -> list[Strategy]:
     return through(call, mdim, (0, 2), THROUGH[""])
 
 
+@register_rule(aten.masked_scatter_backward.default)
+def masked_scatter_backward(call: OpCall, mdim: int) -> list[Strategy]:
+    """(grad_output, mask, sizes): the masked elements in order, zero-padded: a selection of grad_output."""
+    return through(call, mdim, (0,), THROUGH[""])
+
+
 # -- grid sampling ----------------------------------------------------------------------------------
 @register_rule(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
 def grid_sampler(call: OpCall, mdim: int) -> list[Strategy]:
