@@ -222,7 +222,12 @@ def test_instance_norm_with_running_stats(ps) -> None:
 @pytest.mark.parametrize("fn, shape, ps, want, comms", [
     (lambda x: x.diagonal(0, 1, 2), (4, 5, 5), (Shard(0),), (Shard(0),), []),
     (lambda x: x.diagonal(1, -1, 0), (5, 3, 5), (Shard(1),), (Shard(0),), []),
-    (lambda x: x.diagonal(), (5, 5), (Shard(0),), (R,), ["all_gather[x]"]),
+    (lambda x: x.diagonal(), (5, 5), (Shard(0),), (Shard(0),), []),            # rows [0, 3) hold entries [0, 3)
+    (lambda x: x.diagonal(1), (6, 6), (Shard(0),), (Shard(0),), []),           # 5 entries: [0, 3) and [3, 5)
+    (lambda x: x.diagonal(-1), (6, 6), (Shard(1),), (Shard(0),), []),          # columns alike
+    (lambda x: x.diagonal(1, 1, 0), (6, 6), (Shard(1),), (Shard(0),), []),     # dim1 is any dim
+    (lambda x: x.diagonal(-2), (6, 6), (Shard(0),), (R,), ["all_gather[x]"]),  # rows [0, 3) hold only [0, 1)
+    (torch.trace, (6, 6), (Shard(0),), (P,), []),                              # each rank sums its entries
     (lambda x: x.flip(0), (4, 6), (Shard(1),), (Shard(1),), []),
     (lambda x: x.flip(1), (4, 6), (Shard(1),), (Shard(0),), ["all_to_all[x]"]),  # moved to a kept dim
     (lambda x: x.unfold(1, 2, 1), (4, 6), (Shard(0),), (Shard(0),), []),
@@ -233,6 +238,26 @@ def test_collectives(fn, shape, ps, want, comms) -> None:
     y, got = shipped({"x": 2}, fn, (data(shape), ps))
     assert (y.placements, got) == (want, comms)
     assert torch.equal(y.full_tensor(), fn(data(shape)))
+
+
+GRADIENTS = {
+    "diagonal of rows": (lambda x: x.diagonal(1, 0, 1), (6, 6, 3), [Shard(0), Shard(2)]),
+    "diagonal of batches": (lambda x: x.diagonal(0, -2, -1), (3, 5, 5), [Shard(0), Shard(1)]),
+    "unfold": (lambda x: x.unfold(1, 3, 2), (5, 7), [Shard(0), Shard(1)]),
+    "flip": (lambda x: x.flip(0, 1), (5, 7), [Shard(1), Shard(0)]),
+    "as_strided": (lambda x: x.as_strided([3, 3], [1, 2], 2), (5, 7), [Shard(1), Shard(0)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRADIENTS))
+def test_gradients(name) -> None:
+    """Backward through each view (diagonal_backward, unfold_backward, as_strided's) equals plain torch."""
+    fn, shape, ps = GRADIENTS[name]
+    plain = data(shape).requires_grad_()
+    (fn(plain) * fn(data(shape))).sum().backward()
+    x = monarch.distribute_tensor(data(shape), mesh_of({"dp": 2, "tp": 2}), ps).requires_grad_()
+    (fn(x) * fn(data(shape))).sum().backward()
+    assert torch.equal(x.grad.full_tensor(), plain.grad)
 
 
 # -- a real mesh -----------------------------------------------------------------------------------------

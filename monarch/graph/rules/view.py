@@ -271,34 +271,67 @@ def placed_back(call: OpCall, mdim: int) -> list[Strategy]:
     return follow(call, mdim, dims, resized)
 
 
-# -- diagonal: the two diagonal dims whole ------------------------------------------------------------
-def _diagonal_dims(ndim: int, d1: int, d2: int) -> dict[int, int]:
-    """Input dim -> output dim for every dim but the two diagonal ones (the diagonal comes last)."""
-    rest = [k for k in range(ndim) if k not in (d1 % ndim, d2 % ndim)]
-    return {k: o for o, k in enumerate(rest)}
-
-
+# -- diagonal: other dims keep their shards, and one diagonal dim where its pieces hold the output's ----
 @register_rule(*DIAGONALS)
 def diagonal(call: OpCall, mdim: int) -> list[Strategy]:
-    x = call.ins[0]
-    return follow(call, mdim, _diagonal_dims(x.ndim, call.arg(2, "dim1", 0), call.arg(3, "dim2", 1)))
+    return follow(call, mdim, _diagonal_dims(call, mdim), _diagonal_emit)
 
 
 @register_rule(aten.diagonal_scatter.default)
 def diagonal_scatter(call: OpCall, mdim: int) -> list[Strategy]:
-    """`src` (the new diagonal) is sharded where the input's other dims are."""
-    x = call.ins[0]
-    dims = _diagonal_dims(x.ndim, call.arg(3, "dim1", 0), call.arg(4, "dim2", 1))
-    moved = [Strategy((Shard(k), Shard(o)), (Shard(k),)) for k, o in sorted(dims.items())]
-    return moved + partials(call, mdim)
+    """`src` (the new diagonal) is sharded where the input's dims map to."""
+    dims = _diagonal_dims(call, mdim)
+    moved = [Strategy((Shard(k), Shard(o)), (Shard(k),), _diagonal_emit) for k, o in sorted(dims.items())]
+    return moved + partials(call, mdim, emit=_diagonal_emit)
 
 
 @register_rule(aten.diagonal_backward.default)
 def diagonal_backward(call: OpCall, mdim: int) -> list[Strategy]:
-    """The gradient placed on the diagonal of zeros of the input's shape, sized per rank."""
-    out = call.outs[0]
-    dims = _diagonal_dims(out.ndim, call.arg(3, "dim1"), call.arg(4, "dim2"))
-    return follow(call, mdim, {o: k for k, o in dims.items()}, resized)
+    """The gradient placed on the diagonal of zeros of the input's shape."""
+    return follow(call, mdim, {o: k for k, o in _diagonal_dims(call, mdim).items()}, _diagonal_emit)
+
+
+def _diagonal_args(call: OpCall) -> tuple[Spec, int, int, int]:
+    """(the spec of the tensor holding the diagonal, offset, dim1, dim2), dims non-negative."""
+    x, i = (call.outs[0], 2) if call.op is aten.diagonal_backward.default else (call.ins[0], len(call.ins))
+    return x, call.arg(i, "offset", 0), call.arg(i + 1, "dim1", 0) % x.ndim, call.arg(i + 2, "dim2", 1) % x.ndim
+
+
+def _diagonal_dims(call: OpCall, mdim: int) -> dict[int, int]:
+    """Dim of the full tensor -> dim of the diagonal tensor (the diagonal comes last) that mdim may shard.
+
+    Rows (dim1) [s, s+l) hold the diagonal's entries [s - max(-offset, 0), ...) within its length, columns
+    (dim2) alike with max(offset, 0): a shard of rows maps to one of the diagonal where those images are
+    the diagonal's pieces. Every mesh dim considers the same one of the two (dim1 unless only dim2 is
+    sharded; dim1 for a gradient), so that pieces of rows never meet pieces of columns.
+    """
+    x, off, d1, d2 = _diagonal_args(call)
+    rest = [k for k in range(x.ndim) if k not in (d1, d2)]
+    dims = {k: o for o, k in enumerate(rest)}
+    if call.op is aten.diagonal_backward.default or Shard(d1) in x.placements or Shard(d2) not in x.placements:
+        d, shift = d1, max(-off, 0)
+    else:
+        d, shift = d2, max(off, 0)
+    n = (call.outs[0] if call.op in DIAGONALS else call.ins[-1]).shape[-1]
+
+    def holds(a: Range, b: Range) -> bool:
+        image = _image(a, shift, 1, n)
+        return image == b or image[1] == b[1] == 0
+    if aligned(x, d, n, mdim, holds):
+        dims[d] = len(rest)
+    return dims
+
+
+def _diagonal_emit(ctx: Emit) -> list[Local]:
+    """The offset on this rank's piece, whose rows and columns count from its first ones (and for a
+    gradient, zeros of this rank's shape)."""
+    call = ctx.call
+    _, off, d1, d2 = _diagonal_args(call)
+    backward = call.op is aten.diagonal_backward.default
+    bounds = (ctx.outs[0] if backward else ctx.ins[0]).bounds(ctx.coords)
+    lead = (ctx.args[0], list(ctx.local_out_shape())) if backward else ctx.args[:len(call.ins)]
+    local = off + bounds[d1][0] - bounds[d2][0]
+    return [Local(op_name(call.op), (*lead, local, d1, d2), {}, ctx.out_ids)]
 
 
 # -- unfold: the unfolded dim whole -------------------------------------------------------------------
