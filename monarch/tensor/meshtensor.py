@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from monarch.errors import ShardingError, TraceError
-from monarch.tensor import attention, dynamic, ops
+from monarch.tensor import attention, dynamic, ops, setitem
 from monarch.tensor.ops import batched
 from monarch.tensor.placement import Placement, normalize
 from monarch.tensor.spec import Spec
@@ -149,6 +149,7 @@ _READS_DATA = frozenset([torch.tensor_split, torch.Tensor.tensor_split])
 _WHOLE: dict[Any, Any] = {  # composite ops that would merge a sharded batch dim with another dim
     torch.nn.functional.linear: ops.linear_call,
     torch.nn.functional.multi_head_attention_forward: attention.multi_head_attention_forward,
+    torch.Tensor.__setitem__: setitem.assign,  # along a sharded dim
 }
 
 

@@ -1,7 +1,8 @@
 """In-place random fills and the nn.init functions built on them, in strict mode: after the same
 monarch.manual_seed every placement and mesh shape gives the same global tensor (uneven and empty
-pieces included), the draws follow their laws, and a model built under `procs.activate()` on a real
-mesh is initialised there (no fallback) with the values the reference mesh gives, and trains.
+pieces included; orthogonal_ and sparse_ too), the draws follow their laws, dirac_ and eye_ give
+torch's values on sharded dims, and a model built under `procs.activate()` on a real mesh is
+initialised there (no fallback) with the values the reference mesh gives, and trains.
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from hypothesis import strategies as st
 from torch.nn import init
 
 import monarch
+from monarch import Partial, Replicate, Shard
 from monarch.actor import ProcMesh
 from tests.strategies import placement_tuples, reference_mesh, tensor_meshes
 
 T = 30.0  # seconds any single wait may take
+R = Replicate()
 MESHES = ({"x": 1}, {"x": 2}, {"x": 4}, {"dp": 2, "tp": 2})
 pytestmark = pytest.mark.usefixtures("strict")
 
@@ -42,7 +45,15 @@ FILLS: dict[str, tuple[Callable[[Any], Any], torch.dtype]] = {
     "xavier_normal_": (init.xavier_normal_, torch.float32),
     "xavier_uniform_": (init.xavier_uniform_, torch.float32),
     "trunc_normal_": (lambda x: init.trunc_normal_(x, 0.0, 1.0, -1.5, 2.0), torch.float32),
+    "sparse_": (lambda x: _sparse(x), torch.float32),
 }
+
+
+def _sparse(x: torch.Tensor) -> torch.Tensor:
+    """init.sparse_ picks each column's zero rows with torch.randperm, from torch's own generator."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return init.sparse_(x, 0.5)
 
 
 def filled(name: str, mesh: Any, placements: tuple, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -100,6 +111,53 @@ def test_draws_follow_their_laws() -> None:
     bound = 1 / math.sqrt(100)  # kaiming_uniform_ with a=sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
     k = draw("kaiming_uniform_")
     assert k.abs().max() <= bound and k.abs().max() > 0.9 * bound
+
+
+ORTHOGONAL = [({"x": 4}, (Shard(0),), (6, 5)), ({"x": 4}, (Shard(1),), (3, 7)), ({"x": 2}, (Shard(1),), (2, 4, 3)),
+              ({"dp": 2, "tp": 2}, (Shard(1), Shard(0)), (5, 6)), ({"dp": 2, "tp": 2}, (Shard(0), Shard(0)), (7, 3)),
+              ({"dp": 2, "tp": 2}, (R, Shard(1)), (4, 4))]
+
+
+@pytest.mark.parametrize("dims, placements, shape", ORTHOGONAL)
+def test_orthogonal_same_values_on_every_placement(dims: dict, placements: tuple, shape: tuple) -> None:
+    """orthogonal_ (a QR of a normal draw, copied in through a view) gives the values one rank gives."""
+    want = _orthogonal(reference_mesh({"x": 1}), (R,), shape, 3)
+    got = _orthogonal(reference_mesh(dims), placements, shape, 3)
+    assert torch.equal(got, want), (dims, placements, shape)
+    flat = got.reshape(shape[0], -1)
+    small = flat @ flat.T if flat.shape[0] <= flat.shape[1] else flat.T @ flat
+    torch.testing.assert_close(small, 4.0 * torch.eye(small.shape[0]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.xfail(strict=True, reason="a write through a view of a Partial base, or of a base sharded on a dim "
+                   "of size 1, does not reach the base")
+@pytest.mark.parametrize("dims, placements, shape", [({"x": 2}, (Partial("sum"),), (3, 4)),
+                                                     ({"x": 4}, (Shard(0),), (1, 4))])
+def test_orthogonal_on_partial_or_size_one_shards(dims: dict, placements: tuple, shape: tuple) -> None:
+    assert torch.equal(_orthogonal(reference_mesh(dims), placements, shape, 3),
+                       _orthogonal(reference_mesh({"x": 1}), (R,), shape, 3))
+
+
+def _orthogonal(mesh: Any, placements: tuple, shape: tuple, seed: int) -> torch.Tensor:
+    monarch.manual_seed(seed)
+    x = monarch.distribute_tensor(torch.zeros(shape), mesh, placements)
+    with torch.no_grad():
+        init.orthogonal_(x, gain=2.0)
+    return x.full_tensor(timeout=T)
+
+
+@pytest.mark.parametrize("placements", [(R, R), (Shard(0), Shard(1)), (Shard(1), Shard(0)), (Shard(2), Shard(0)),
+                                        (Shard(0), Shard(0))])
+def test_dirac_and_eye_equal_torch_on_sharded_dims(placements: tuple) -> None:
+    """Their ones are written as `x[i, j, ...] = 1` along sharded dims: one masked write, torch's values."""
+    mesh = reference_mesh({"dp": 2, "tp": 2})
+    for shape, fn in (((4, 2, 3, 3), lambda t: init.dirac_(t, groups=2)), ((5, 3, 2), init.dirac_),
+                      ((3, 5), init.eye_)):
+        x = monarch.distribute_tensor(torch.full(shape, 7.0), mesh, placements[:len(shape)] if len(shape) > 2 else
+                                      tuple(p if p == R or p.dim < 2 else R for p in placements))
+        with torch.no_grad():
+            fn(x)
+        assert torch.equal(x.full_tensor(timeout=T), fn(torch.full(shape, 7.0))), (shape, placements)
 
 
 class Model(torch.nn.Module):
