@@ -1,8 +1,8 @@
 """Scatter-like, grid-sampling and segment rules (graph/rules/scatter.py) against plain torch.
 
 Random shapes (uneven and empty pieces) and placements (Partial included) on the in-process mesh under
-MONARCH_STRICT=1; the placements and collectives of the key cases; the rules' algebra on hand-built
-specs; and the key cases again on a real 4-process mesh.
+MONARCH_STRICT=1; the placements and collectives of the key cases; autograd through the ops; the rules'
+algebra on hand-built specs; and the key cases again on a real 4-process mesh.
 """
 from __future__ import annotations
 
