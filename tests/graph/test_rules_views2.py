@@ -231,6 +231,8 @@ def test_instance_norm_with_running_stats(ps) -> None:
     (lambda x: x.flip(0), (4, 6), (Shard(1),), (Shard(1),), []),
     (lambda x: x.flip(1), (4, 6), (Shard(1),), (Shard(0),), ["all_to_all[x]"]),  # moved to a kept dim
     (lambda x: x.unfold(1, 2, 1), (4, 6), (Shard(0),), (Shard(0),), []),
+    (lambda x: x.unfold(1, 2, 3), (4, 6), (Shard(1),), (Shard(1),), []),      # windows [0, 2) and [3, 5)
+    (lambda x: x.unfold(0, 2, 1), (4, 6), (Shard(0),), (Shard(1),), ["all_to_all[x]"]),  # windows overlap
     (lambda x: x.unfold(0, 2, 2), (4, 6), (P,), (P,), []),
     (lambda x: x.as_strided([2, 2], [1, 2], 1), (4, 6), (P,), (P,), []),
 ])

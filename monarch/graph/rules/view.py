@@ -299,12 +299,9 @@ def _diagonal_args(call: OpCall) -> tuple[Spec, int, int, int]:
 
 def _diagonal_dims(call: OpCall, mdim: int) -> dict[int, int]:
     """Dim of the full tensor -> dim of the diagonal tensor (the diagonal comes last) that mdim may shard.
-
-    Rows (dim1) [s, s+l) hold the diagonal's entries [s - max(-offset, 0), ...) within its length, columns
-    (dim2) alike with max(offset, 0): a shard of rows maps to one of the diagonal where those images are
-    the diagonal's pieces. Every mesh dim considers the same one of the two (dim1 unless only dim2 is
-    sharded; dim1 for a gradient), so that pieces of rows never meet pieces of columns.
-    """
+    Rows (dim1) [s, s+l) hold entries [s - max(-offset, 0), ...) of the diagonal, columns (dim2) alike with
+    max(offset, 0): a shard of either where those are the diagonal's pieces. Every mesh dim considers the
+    same one (dim1 unless only dim2 is sharded), so that pieces of rows never meet pieces of columns."""
     x, off, d1, d2 = _diagonal_args(call)
     rest = [k for k in range(x.ndim) if k not in (d1, d2)]
     dims = {k: o for o, k in enumerate(rest)}
@@ -325,29 +322,45 @@ def _diagonal_dims(call: OpCall, mdim: int) -> dict[int, int]:
 def _diagonal_emit(ctx: Emit) -> list[Local]:
     """The offset on this rank's piece, whose rows and columns count from its first ones (and for a
     gradient, zeros of this rank's shape)."""
-    call = ctx.call
-    _, off, d1, d2 = _diagonal_args(call)
+    call, (_, off, d1, d2) = ctx.call, _diagonal_args(ctx.call)
     backward = call.op is aten.diagonal_backward.default
-    bounds = (ctx.outs[0] if backward else ctx.ins[0]).bounds(ctx.coords)
+    at = (ctx.outs[0] if backward else ctx.ins[0]).bounds(ctx.coords)
     lead = (ctx.args[0], list(ctx.local_out_shape())) if backward else ctx.args[:len(call.ins)]
-    local = off + bounds[d1][0] - bounds[d2][0]
-    return [Local(op_name(call.op), (*lead, local, d1, d2), {}, ctx.out_ids)]
+    return [Local(op_name(call.op), (*lead, off + at[d1][0] - at[d2][0], d1, d2), {}, ctx.out_ids)]
 
 
-# -- unfold: the unfolded dim whole -------------------------------------------------------------------
-@register_rule(*UNFOLDS)
+# -- unfold: the unfolded dim kept where every piece holds whole windows, starting at its first element
+@register_rule(*UNFOLDS, aten.unfold_backward.default)
 def unfold(call: OpCall, mdim: int) -> list[Strategy]:
-    """Windows along `dimension` (which must be whole); the window dim is new and last."""
-    x = call.ins[0]
-    dim = call.arg(1, "dimension") % max(x.ndim, 1)
-    return follow(call, mdim, {k: k for k in range(x.ndim) if k != dim})
+    """Windows along a dim (a new last dim holds each), or their gradient summed back into zeros of the
+    input's shape. Every other dim maps to itself; the windowed dim too where each rank's piece [s, s+l)
+    starts the rank's windows (t*step = s) and holds them whole, as the windows' pieces are."""
+    x, dim, size, step = _unfold_args(call)
+    dims = {k: k for k in range(x.ndim) if k != dim}
+
+    def whole(a: Range, b: Range) -> bool:
+        (s, n), (t, k) = a, b
+        return k == (max(n - size, -1) // step + 1 if n else 0) and (not k or s == t * step)
+    if x.ndim and aligned(x, dim, (x.shape[dim] - size) // step + 1, mdim, whole):
+        dims[dim] = dim
+    return follow(call, mdim, dims, _unfold_emit)
 
 
-@register_rule(aten.unfold_backward.default)
-def unfold_backward(call: OpCall, mdim: int) -> list[Strategy]:
-    out = call.outs[0]
-    dim = call.arg(2, "dim") % max(out.ndim, 1)
-    return follow(call, mdim, {k: k for k in range(out.ndim) if k != dim}, resized)
+def _unfold_args(call: OpCall) -> tuple[Spec, int, int, int]:
+    """(the spec of the unfolded tensor, dim, size, step)."""
+    backward = call.op is aten.unfold_backward.default
+    x, i = (call.outs[0], 2) if backward else (call.ins[0], 1)
+    dim = call.arg(i, "dim" if backward else "dimension") % max(x.ndim, 1)
+    return x, dim, call.arg(i + 1, "size"), call.arg(i + 2, "step")
+
+
+def _unfold_emit(ctx: Emit) -> list[Local]:
+    """A piece shorter than a window holds none (torch refuses to unfold it): zeros of the local shape."""
+    x, dim, size, _ = _unfold_args(ctx.call)
+    backward = ctx.call.op is aten.unfold_backward.default
+    if x.ndim and (ctx.outs[0] if backward else ctx.ins[0]).local_shape(ctx.coords)[dim] < size:
+        return [Local("aten::new_zeros", (ctx.args[0], list(ctx.local_out_shape())), {}, ctx.out_ids)]
+    return resized(ctx) if backward else ctx.default()
 
 
 # -- prims.rev (flip, fliplr, flipud, rot90): the reversed dims whole ---------------------------------
@@ -357,11 +370,7 @@ def rev(call: OpCall, mdim: int) -> list[Strategy]:
     permutation no collective here performs. Each rank flips its piece."""
     x = call.ins[0]
     flipped = {d % x.ndim for d in call.arg(1, "dims")} if x.ndim else set()
-    return follow(call, mdim, {k: k for k in range(x.ndim) if k not in flipped}, _flip_emit)
-
-
-def _flip_emit(ctx: Emit) -> list[Local]:
-    return [Local("aten::flip", (ctx.args[0], list(ctx.call.arg(1, "dims"))), {}, ctx.out_ids)]
+    return follow(call, mdim, {k: k for k in range(x.ndim) if k not in flipped})
 
 
 # -- as_strided: the whole tensor ---------------------------------------------------------------------
