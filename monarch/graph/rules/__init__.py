@@ -7,6 +7,5 @@ from monarch.graph.rules import conv  # noqa: F401
 from monarch.graph.rules import distance  # noqa: F401
 from monarch.graph.rules import fft  # noqa: F401
 from monarch.graph.rules import linalg  # noqa: F401
-from monarch.graph.rules import scatter  # noqa: F401
 from monarch.graph.rules import search  # noqa: F401
 from monarch.graph.rules import factory, index, matmul, nn, pointwise, reduce, view  # noqa: F401
