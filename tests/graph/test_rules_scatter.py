@@ -1,4 +1,4 @@
-"""Scatter-like, grid-sampling and segment rules (graph/rules/scatter.py) against plain torch.
+"""Scatter-like, grid-sampling and segment rules (graph/rules/index.py) against plain torch.
 
 Random shapes (uneven and empty pieces) and placements (Partial included) on the in-process mesh under
 MONARCH_STRICT=1; the placements and collectives of the key cases; autograd through the ops; the rules'
