@@ -2,8 +2,9 @@
 
 torch records the assignment as views (select, slice) and a fill of the view; a select along a sharded
 dim needs the dim replicated, and a write through a redistributed view would not reach x. When every
-index item picks positions along its own dim (ints, slices, one 1-D index tensor), the written
+index item picks positions along its own dim (ints, one 1-D index tensor, full slices), the written
 positions are the outer product of one mask per dim: `where` with those masks writes exactly them.
+(Partial slices are left to torch's way: x[0:2] = v along a shard is refused, not rewritten.)
 """
 from __future__ import annotations
 
@@ -60,8 +61,6 @@ def _masks(shape: tuple[int, ...], items: tuple[Any, ...]) -> dict[int, torch.Te
 def _mask(n: int, item: Any) -> torch.Tensor | None:
     m = torch.zeros(n, dtype=torch.bool, device="cpu")  # a plain tensor, also inside procs.activate()
     if isinstance(item, int) and -n <= item < n:
-        m[item] = True
-    elif isinstance(item, slice):
         m[item] = True
     elif (type(item) is torch.Tensor and item.ndim == 1 and not item.is_floating_point()
           and item.dtype != torch.bool and bool(((item >= -n) & (item < n)).all())):
