@@ -1,4 +1,4 @@
-"""Distance and CTC rules (graph/rules/distance.py): cdist forward and backward with broadcast batch dims
+"""Distance and CTC rules (graph/rules/signal.py): cdist forward and backward with broadcast batch dims
 and pdist against plain torch on the reference mesh for random shapes and placements, with no data moved
 when x1's rows are sharded and x2 is replicated; the CTC loss and its gradient with padded and concatenated
 targets, every reduction, and ranks holding no sample; CTC on a real mesh.
@@ -82,16 +82,19 @@ def _ctc_case(gen: torch.Generator, n: int, concatenated: bool) -> tuple[torch.T
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 @examples(12)
 def test_ctc_loss_and_gradient(reduction: str, data: st.DataObject) -> None:
-    """Samples over the ranks (some holding none), each its own loss and gradient."""
+    """Samples over the ranks (some holding none), each its own loss and gradient; the lengths as lists or
+    as (distributed) tensors."""
     c = Case(data)
     log_probs, targets, inputs, lengths = _ctc_case(c.gen, data.draw(st.integers(1, 5)), data.draw(st.booleans()))
+    as_tensors = data.draw(st.booleans())
 
-    def loss_and_grad(x: torch.Tensor, tg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_and_grad(x: torch.Tensor, tg: torch.Tensor, *given: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.detach().requires_grad_()
-        loss = F.ctc_loss(x, tg, inputs, lengths, reduction=reduction)
+        loss = F.ctc_loss(x, tg, *(given or (inputs, lengths)), reduction=reduction)
         weights = torch.arange(1, loss.numel() + 1, dtype=loss.dtype).reshape(loss.shape)
         return loss.detach(), torch.autograd.grad((loss * weights).sum(), x)[0]
-    c.run(loss_and_grad, log_probs, targets)
+    tensors = (torch.tensor(inputs), torch.tensor(lengths)) if as_tensors else ()
+    c.run(loss_and_grad, log_probs, targets, *tensors)
 
 
 def test_ctc_batch_stays_sharded_with_empty_ranks() -> None:

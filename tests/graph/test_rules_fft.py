@@ -1,4 +1,4 @@
-"""FFT rules (graph/rules/fft.py): real and complex transforms against plain torch on the reference mesh
+"""FFT rules (graph/rules/signal.py): real and complex transforms against plain torch on the reference mesh
 for random shapes, dims and placements, with no data moved when only untransformed dims are sharded;
 complex MeshTensors on a real mesh (sharded, gathered, Partial, conjugated, fetched); the rule itself on
 hand-built specs.

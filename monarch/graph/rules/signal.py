@@ -1,26 +1,70 @@
-"""Rules for pairwise distances (`_cdist_forward`, `_euclidean_dist`, `_cdist_backward`, `_pdist_*`) and the
-CTC loss (`_ctc_loss`, `_ctc_loss_backward`).
+"""Rules for signal and sequence ops: the FFT kernels every `torch.fft` function records, pairwise distances
+(cdist, pdist) and the CTC loss.
 
+FFT (`_fft_r2c`, `_fft_c2r`, `_fft_c2c`): a transform mixes every element along its dims, so those are
+replicated and any other dim may stay sharded; a rank whose piece is empty (the kernels refuse one) makes
+an empty result. Transforms, `_conj` (which hfft takes first) and the complex/real views are linear over
+the reals, so `Partial(sum)` passes through.
 cdist(x1 (..., P, M), x2 (..., R, M)) -> (..., P, R) is a matmul-like op: batch dims (broadcasting) and
 either operand's rows shard; the features shard only where the distance is a sum over them (p = 0, 1),
-giving a Partial result. pdist mixes every row with every other: its input is replicated. CTC runs each
-sample alone, so the batch dim shards, with the global length lists cut to this rank's samples (the
-overloads taking the lengths as tensors have no rule: their log_alpha's width depends on the values).
+giving a Partial result. pdist mixes every row with every other: its input is replicated.
+CTC runs each sample alone, so the batch dim shards, with the global length lists cut to this rank's
+samples; the overloads taking the lengths as tensors read them first (a sync point: log_alpha's width
+depends on them) and run as the list overloads, through the data-dependent rewrites of `tensor/dynamic.py`.
 """
 from __future__ import annotations
 
 import torch
 
-from monarch.graph.rules.common import aten, broadcast_shard
+from monarch.graph.rules.common import aten, broadcast_shard, partials
 from monarch.graph.rules.table import Emit, OpCall, Strategy, op_name, register_rule
-from monarch.program.instr import Free, Local
+from monarch.program.instr import Free, Instr, Local
+from monarch.tensor import dynamic
 from monarch.tensor.placement import P, R, Shard
 from monarch.tensor.spec import Spec
 
+TRANSFORMS = sorted([aten._fft_r2c.default, aten._fft_c2r.default, aten._fft_c2c.default], key=str)
 SUMMED_P = (0.0, 1.0)  # distances that are a plain sum over the features
 PDIST = sorted([aten._pdist_forward.default, aten._pdist_backward.default], key=str)
 
 
+# -- FFT --------------------------------------------------------------------------------------------
+@register_rule(*TRANSFORMS)
+def transform(call: OpCall, mdim: int) -> list[Strategy]:
+    """Shard any dim that is not transformed (the output keeps the input's dims; only sizes change)."""
+    x = call.ins[0]
+    mixed = {d % x.ndim for d in call.arg(1, "dim")}
+    kept = [Strategy((Shard(d),), (Shard(d),), _empty_safe) for d in range(x.ndim) if d not in mixed]
+    return kept + partials(call, mdim, emit=_empty_safe)
+
+
+def _empty_safe(ctx: Emit) -> list[Local]:
+    """The transform, or zeros of this rank's output shape where its piece is empty."""
+    if all(ctx.ins[0].local_shape(ctx.coords)):
+        return ctx.default()
+    return [Local("aten::new_zeros", (ctx.args[0], list(ctx.local_out_shape())), {"dtype": ctx.outs[0].dtype},
+                  ctx.out_ids)]
+
+
+@register_rule(aten._conj.default)
+def conj(call: OpCall, mdim: int) -> list[Strategy]:
+    """Elementwise: every dim may be sharded."""
+    return [Strategy((Shard(d),), (Shard(d),)) for d in range(call.ins[0].ndim)] + partials(call, mdim)
+
+
+@register_rule(aten.view_as_real.default)
+def view_as_real(call: OpCall, mdim: int) -> list[Strategy]:
+    """(..., ) complex -> (..., 2) real: the input's dims keep their numbers."""
+    return [Strategy((Shard(d),), (Shard(d),)) for d in range(call.ins[0].ndim)] + partials(call, mdim)
+
+
+@register_rule(aten.view_as_complex.default)
+def view_as_complex(call: OpCall, mdim: int) -> list[Strategy]:
+    """(..., 2) real -> (..., ) complex: every dim but the pair's."""
+    return [Strategy((Shard(d),), (Shard(d),)) for d in range(call.ins[0].ndim - 1)] + partials(call, mdim)
+
+
+# -- distances --------------------------------------------------------------------------------------
 def _batch(out: Spec, *ins: Spec) -> list[tuple[tuple, int]]:
     """(input placements, output dim) for each batch dim of `out` (inputs that broadcast there replicated)."""
     return [(tuple(broadcast_shard(x, out, d) for x in ins), d) for d in range(out.ndim - 2)]
@@ -93,7 +137,7 @@ def _own_samples(ctx: Emit, lp: int, tg: int) -> tuple[list, list[Local], list[i
     return args, [Local("aten::slice.Tensor", (ctx.args[tg], 0, begin, begin + sum(own)), {}, (piece.id,))], own
 
 
-def emit_ctc(ctx: Emit) -> list[Local]:
+def emit_ctc(ctx: Emit) -> list[Instr]:
     """The loss of this rank's samples, log_alpha padded (-inf) to the width the longest target of the
     whole batch gives it; zeros where the rank holds no sample (the kernel refuses an empty batch). Every
     rank emits as many instructions (the kernel's ranks pad with an empty Free)."""
@@ -101,7 +145,7 @@ def emit_ctc(ctx: Emit) -> list[Local]:
     narrow, op = ctx.tmp(), op_name(ctx.call.op)
     if own:
         missing = ctx.outs[1].shape[2] - (2 * max(own) + 1)
-        run = [Local(op, tuple(args), ctx.kwargs, (ctx.out_ids[0], narrow.id)), Free(())]
+        run: list[Instr] = [Local(op, tuple(args), ctx.kwargs, (ctx.out_ids[0], narrow.id)), Free(())]
     else:
         missing, lp = 0, ctx.args[0]
         run = [Local("aten::new_zeros", (lp, list(ctx.local_out_shape(i))), {}, (o,))
@@ -120,5 +164,15 @@ def _ctc_backward_meta(grad: torch.Tensor, log_probs: torch.Tensor, *args: objec
     return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
 
 
+def _lengths_read(op: torch._ops.OpOverload, at: int) -> dynamic.Rewrite:
+    """`op` (the list overload) with the two length tensors at arguments `at`, `at + 1` read as lists."""
+    def run(*args: object, **kwargs: object) -> object:
+        lengths = [[int(n) for n in t.tolist()] for t in args[at:at + 2]]  # type: ignore[union-attr]
+        return op(*args[:at], *lengths, *args[at + 2:], **kwargs)
+    return run
+
+
+dynamic.REWRITES[aten._ctc_loss.Tensor] = _lengths_read(aten._ctc_loss.default, 2)
+dynamic.REWRITES[aten._ctc_loss_backward.Tensor] = _lengths_read(aten._ctc_loss_backward.default, 3)
 _META = torch.library.Library("aten", "IMPL")
 _META.impl("_ctc_loss_backward", _ctc_backward_meta, "Meta")
