@@ -1,11 +1,8 @@
 """Ops whose output shape or result depends on the values (nonzero, masked_select, x[mask], unique,
-bincount, repeat_interleave, histogram, equal): shapes are decided before anything runs, so each is
-rewritten into ops of known shapes after reading the few numbers it needs (a sync point, like item()).
-
-nonzero becomes nonzero_static of the counted size; masked_select and boolean-mask indexing index with
-its result; unique sorts (rows: one stable sort per column) and keeps the first of each run; bincount
-adds into zeros of the counted length; histograms count on the ranks between edges computed here as
-torch computes them; equal and allclose read one flag. Each returns what plain torch returns.
+bincount, repeat_interleave, histograms, equal, allclose), rewritten into ops of known shapes with
+rules after reading the few numbers they need (a sync point, like item()): counts, bounds, one flag.
+Histograms count on the ranks between edges computed here as torch computes them; each rewrite
+returns what plain torch returns on the whole tensors.
 """
 from __future__ import annotations
 
