@@ -5,6 +5,5 @@ Importing this package imports every family once, so whoever reads `RULES` sees 
 from monarch.graph.rules import attention  # noqa: F401
 from monarch.graph.rules import conv  # noqa: F401
 from monarch.graph.rules import linalg  # noqa: F401
-from monarch.graph.rules import search  # noqa: F401
 from monarch.graph.rules import signal  # noqa: F401
 from monarch.graph.rules import factory, index, matmul, nn, pointwise, reduce, view  # noqa: F401

@@ -1,6 +1,7 @@
-"""Rules for reductions (sum, mean, prod, amax/amin, max/min, argmax/argmin, var/std, any/all) and for
+"""Rules for reductions (sum, mean, prod, amax/amin, max/min, argmax/argmin, var/std, any/all), for
 ops along one dim (cumulative scans, sorts, topk, kthvalue, median, mode: shardable on every other dim)
-and searchsorted.
+and for lookups in a replicated table (searchsorted, bucketize, take, histogram counts: the kernels
+tensor/dynamic.py turns every histogram into, a sharded input's counts add up to a Partial sum).
 
 A dim that is not reduced keeps its shard (renumbered when keepdim=False). Over a sharded reduced dim,
 ops that combine per-piece results run on each piece and leave a Partial output: sum and mean give
@@ -13,6 +14,7 @@ import torch
 
 from monarch.graph.rules.common import aten
 from monarch.graph.rules.common import kept as kept_dims
+from monarch.graph.rules.common import partials
 from monarch.graph.rules.table import Emit, Emitter, OpCall, OpOverload, Strategy, op_name, register_rule
 from monarch.program.instr import Local
 from monarch.tensor.placement import P, Partial, R, Shard
@@ -170,3 +172,42 @@ def searchsorted(call: OpCall, mdim: int) -> list[Strategy]:
     if seq.ndim == 1:
         return [Strategy((R, Shard(d), *(R,) * sorter), (Shard(d),)) for d in range(values.ndim)]
     return [Strategy((Shard(d),) * (2 + sorter), (Shard(d),)) for d in range(seq.ndim - 1)]
+
+
+@register_rule(aten.bucketize.Tensor)
+def bucketize(call: OpCall, mdim: int) -> list[Strategy]:
+    """(values, boundaries): the boundaries replicated, the values sharded on any dim."""
+    return [Strategy((Shard(d), R), (Shard(d),)) for d in range(call.ins[0].ndim)]
+
+
+@register_rule(aten.take.default)
+def take(call: OpCall, mdim: int) -> list[Strategy]:
+    """(x, index) -> x.flatten()[index]: the index sharded on any dim with x replicated; linear in x,
+    so a Partial x passes through with the index replicated."""
+    return [Strategy((R, Shard(d)), (Shard(d),)) for d in range(call.ins[1].ndim)] + partials(call, mdim, [0])
+
+
+@register_rule(aten.histogram.bins_tensor)
+def histogram(call: OpCall, mdim: int) -> list[Strategy]:
+    """(x, edges, weight?) -> (counts, edges): each rank counts its piece of x (any dim, the weight
+    sharded alike); counts are linear in the weight, so a Partial weight passes through. Density
+    (counts over their total) needs the whole counts."""
+    return [] if call.kwargs.get("density") else counted(call, mdim, range(call.ins[0].ndim), 1, 1)
+
+
+@register_rule(aten._histogramdd_from_bin_tensors.default)
+def histogramdd(call: OpCall, mdim: int) -> list[Strategy]:
+    """(x of (..., N), N edge tensors, weight of (...)?): x sharded off its last dim."""
+    if call.kwargs.get("density"):
+        return []
+    return counted(call, mdim, range(max(call.ins[0].ndim - 1, 0)), len(call.arg(1, "bins")), 0)
+
+
+def counted(call: OpCall, mdim: int, dims: range, n_edges: int, n_edge_outs: int) -> list[Strategy]:
+    """x (and the weight, when given) sharded on one of `dims` -> P counts, the edges replicated."""
+    weighted = len(call.ins) > 1 + n_edges
+    edges, edge_outs = (R,) * n_edges, (R,) * n_edge_outs
+    strategies = [Strategy((Shard(d), *edges, *(Shard(d),) * weighted), (P, *edge_outs)) for d in dims]
+    if weighted and call.ins[-1].placements[mdim] == P:
+        strategies.append(Strategy((R, *edges, P), (P, *edge_outs)))
+    return strategies
