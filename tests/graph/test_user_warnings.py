@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import monarch
-from monarch.graph import propagate
+from monarch.graph import decompose, propagate
+from monarch.graph.rules.table import RULES
 from monarch.runtime.session.local import LocalMesh
 
 
@@ -26,8 +27,11 @@ def recorded(fn: Callable[[], object]) -> list[warnings.WarningMessage]:
 
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> LocalMesh:
-    """A mesh, with every op's one-time warning not yet issued."""
+    """A mesh, with every op's one-time warning not yet issued, and flip without a rule (its prims.rev's
+    taken out of the table, and decompositions' verdicts kept apart from other tests')."""
     monkeypatch.setattr(propagate, "_warned", set())
+    monkeypatch.delitem(RULES, torch.ops.prims.rev.default)
+    monkeypatch.setattr(decompose, "_verdicts", {})
     return LocalMesh({"dp": 2})
 
 
