@@ -72,6 +72,7 @@ def _batch(out: Spec, *ins: Spec) -> list[tuple[tuple, int]]:
 
 @register_rule(aten._cdist_forward.default, aten._euclidean_dist.default)
 def cdist(call: OpCall, mdim: int) -> list[Strategy]:
+    """(x1, x2) -> distances: batch dims, x1's rows (the output's rows), x2's rows (its columns); summed features."""
     x1, x2 = call.ins
     out = call.outs[0]
     strategies = [Strategy(ins, (Shard(d),)) for ins, d in _batch(out, x1, x2)]
@@ -86,7 +87,7 @@ def cdist(call: OpCall, mdim: int) -> list[Strategy]:
 def cdist_backward(call: OpCall, mdim: int) -> list[Strategy]:
     """(grad, x1, x2, cdist) -> grad of x1 with the broadcast batch shape: batch dims and x1's rows follow
     the output; x2's rows shard grad's columns, each rank summing over its own (Partial); linear in grad."""
-    grad, x1, x2, dist = call.ins
+    grad, x1, x2, _ = call.ins
     out = call.outs[0]
     rows, cols = grad.ndim - 2, grad.ndim - 1
     strategies = [Strategy((Shard(d), *ins, Shard(d)), (Shard(d),)) for ins, d in _batch(out, x1, x2)]
