@@ -1,4 +1,4 @@
-"""Attention rules (graph/rules/attention.py) on the reference mesh: scaled_dot_product_attention forward
+"""Attention rules (graph/rules/nn.py) on the reference mesh: scaled_dot_product_attention forward
 and backward against plain torch for random placements of batch, heads and query rows (uneven and empty
 pieces), causal or masked (broadcast masks), grouped-query heads; collectives for batch and head sharding;
 and nn.MultiheadAttention on a data-parallel module whose ranks hold one or no sample.

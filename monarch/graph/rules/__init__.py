@@ -2,7 +2,6 @@
 
 Importing this package imports every family once, so whoever reads `RULES` sees the whole table.
 """
-from monarch.graph.rules import attention  # noqa: F401
 from monarch.graph.rules import conv  # noqa: F401
 from monarch.graph.rules import linalg  # noqa: F401
 from monarch.graph.rules import signal  # noqa: F401
