@@ -1,8 +1,8 @@
 """Ops whose output shape or result depends on the values (nonzero, masked_select, x[mask], unique,
 bincount, repeat_interleave, histograms, equal, allclose), rewritten into ops of known shapes with
 rules after reading the few numbers they need (a sync point, like item()): counts, bounds, one flag.
-Histograms count on the ranks between edges computed here as torch computes them; each rewrite
-returns what plain torch returns on the whole tensors.
+Histograms count on the ranks between edges computed here as torch computes them; the CTC loss given
+length tensors runs as its list overload. Each rewrite returns what plain torch returns on the whole tensors.
 """
 from __future__ import annotations
 
@@ -323,6 +323,15 @@ def whole(obj: Any) -> Any:
     return obj
 
 
+def lengths_read(op: Any, at: int) -> Rewrite:
+    """`op` (a list overload) given the two length tensors at arguments `at`, `at + 1` read as lists
+    (the `.Tensor` overloads of the CTC loss and its backward)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        lengths = [[int(n) for n in _read(t, op.name())] for t in args[at:at + 2]]
+        return op(*args[:at], *lengths, *args[at + 2:], **kwargs)
+    return run
+
+
 REWRITES: dict[Any, Rewrite] = {
     aten.nonzero.default: nonzero, aten.masked_select.default: masked_select, aten.index.Tensor: index,
     aten._unique2.default: unique2, aten._unique.default: unique, aten.unique_dim.default: unique_dim,
@@ -332,6 +341,8 @@ REWRITES: dict[Any, Rewrite] = {
     aten._histogramdd_bin_edges.default: histogramdd_bin_edges,
     aten._histogramdd_from_bin_cts.default: histogramdd_from_bin_cts,
     aten._histogramdd_from_bin_tensors.default: histogramdd_from_bin_tensors,
+    aten._ctc_loss.Tensor: lengths_read(aten._ctc_loss.default, 2),
+    aten._ctc_loss_backward.Tensor: lengths_read(aten._ctc_loss_backward.default, 3),
 }
 
 

@@ -19,7 +19,6 @@ import torch
 from monarch.graph.rules.common import aten, broadcast_shard, partials
 from monarch.graph.rules.table import Emit, OpCall, Strategy, op_name, register_rule
 from monarch.program.instr import Free, Instr, Local
-from monarch.tensor import dynamic
 from monarch.tensor.placement import P, R, Shard
 from monarch.tensor.spec import Spec
 
@@ -165,15 +164,5 @@ def _ctc_backward_meta(grad: torch.Tensor, log_probs: torch.Tensor, *args: objec
     return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
 
 
-def _lengths_read(op: torch._ops.OpOverload, at: int) -> dynamic.Rewrite:
-    """`op` (the list overload) with the two length tensors at arguments `at`, `at + 1` read as lists."""
-    def run(*args: object, **kwargs: object) -> object:
-        lengths = [[int(n) for n in t.tolist()] for t in args[at:at + 2]]  # type: ignore[union-attr]
-        return op(*args[:at], *lengths, *args[at + 2:], **kwargs)
-    return run
-
-
-dynamic.REWRITES[aten._ctc_loss.Tensor] = _lengths_read(aten._ctc_loss.default, 2)
-dynamic.REWRITES[aten._ctc_loss_backward.Tensor] = _lengths_read(aten._ctc_loss_backward.default, 3)
 _META = torch.library.Library("aten", "IMPL")
 _META.impl("_ctc_loss_backward", _ctc_backward_meta, "Meta")
