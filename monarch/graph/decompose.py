@@ -3,6 +3,7 @@
 `_foreach_*` ops run as one plain op per element; batch and group norm as the reductions of `norms.py`;
 any other op as torch's decomposition (its table, or its CompositeImplicit kernel) when a dry run on fake
 tensors shows that every op it reaches has a rule (or such a decomposition itself, a few levels deep).
+The outputs of an op that aliases nothing are its own, even where its decomposition ends in a view.
 """
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ import torch
 import torch._decomp
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from monarch import config
 from monarch.errors import UnsupportedOpError
 from monarch.graph.norms import NORMS
 from monarch.graph.rules.table import rule_for
-from monarch.graph.trace import owned
+from monarch.graph.trace import Value
+from monarch.tensor.meshtensor import MeshTensor
 
 OpOverload = torch._ops.OpOverload
 MAX_DEPTH = 6   # decompositions inside decompositions
@@ -88,7 +90,7 @@ def _checked(op: OpOverload, fn: Decomposition, *args: Any, **kwargs: Any) -> An
     if missing is None:
         with _deeper(int(not _implicit(op))):
             out = fn(*args, **kwargs)
-        return out if _returns_views(op) else owned(out)
+        return out if _returns_views(op) else _owned(out)
     if config.strict():
         raise UnsupportedOpError(f"{op.name()}: no sharding rule, and its decomposition needs {missing}, which has "
                                  "none; register one with @register_rule in monarch/graph/rules/<family>.py, or "
@@ -98,6 +100,15 @@ def _checked(op: OpOverload, fn: Decomposition, *args: Any, **kwargs: Any) -> An
         return op(*args, **kwargs)
     finally:
         _refused.reset(token)
+
+
+def _owned(result: Any) -> Any:
+    """`result` of a non-aliasing op run as a decomposition ending in a view (repeat's last reshape): it views
+    only temporaries, so a write through it loses nothing even where they had to move."""
+    for t in tree_leaves(result):
+        if type(t) is MeshTensor and isinstance(t._handle, Value):
+            t._handle.copied_view = False
+    return result
 
 
 @contextmanager

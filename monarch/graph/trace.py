@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._pytree import tree_leaves
 
 from monarch.errors import ShapeError, UnsupportedOpError
 from monarch.graph.propagate import Decision, decide
@@ -39,9 +38,8 @@ NodeEmitter = Callable[[Emit], Sequence[Instr]]
 class Value:
     """The handle a MeshTensor holds: its buffer id and the node that produces it.
 
-    `copied_view` marks a view whose base had to be redistributed first, or whose ranks view a copy of
-    their piece (`COPYING_VIEWS`): a write through it would not reach the base, and in-place ops on it
-    are refused.
+    `copied_view` marks a view of a copy (its base was redistributed first, or `COPYING_VIEWS`): a write
+    through it would not reach the base, and in-place ops on it are refused.
     """
     __slots__ = ("id", "node", "tracer", "copied_view")
 
@@ -377,16 +375,6 @@ def _structure(func: Any, result: Any) -> tuple[list[torch.Tensor], Callable[[li
         return [result[i] for i in where], build
     raise UnsupportedOpError(f"{func.name()} returns {type(result).__name__}, not tensors; monarch cannot run it on "
                              "a MeshTensor yet; call .full_tensor() first")
-
-
-def owned(result: Any) -> Any:
-    """`result` of an op whose schema says its outputs alias no input, run as a decomposition that ended in
-    a view (repeat's last reshape): they view only the decomposition's temporaries, so even where those had
-    to move, a write through them loses nothing and is allowed."""
-    for t in tree_leaves(result):
-        if type(t) is MeshTensor and isinstance(t._handle, Value):
-            t._handle.copied_view = False
-    return result
 
 
 def _rebind(target: MeshTensor, out: MeshTensor) -> MeshTensor:
