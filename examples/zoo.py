@@ -181,9 +181,9 @@ def sequences(size: Size, n: int, seed: int = 1) -> list[Batch]:
     (two of the second's) are padding."""
     g = torch.Generator().manual_seed(seed)
     out = []
+    shape = (size.batch, size.seq, size.width)
     for _ in range(n):
-        x, y = torch.randn(size.batch, size.seq, size.width, generator=g), torch.randn(size.batch, size.seq,
-                                                                                      size.width, generator=g)
+        x, y = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
         padding = torch.zeros(size.batch, size.seq, dtype=torch.bool)
         padding[1::2, -1:] = True
         padding[1, -2:] = True
