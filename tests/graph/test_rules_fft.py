@@ -77,6 +77,10 @@ def test_rule_shards_only_untransformed_dims() -> None:
     parts = Spec((4, 6, 8), (48, 8, 1), torch.float32, (P,), mesh)
     call = OpCall(aten._fft_r2c.default, (parts, [2], 0, True), {}, (parts,), (out,))
     assert ((P,), (P,)) in [(s.inputs, s.outputs) for s in RULES[aten._fft_r2c.default](call, 0)]
+    maxes = Spec((4, 6, 8), (48, 8, 1), torch.float32, (Partial("max"),), mesh)  # fft(max) != max(fft)
+    for op, args in ((aten._fft_r2c.default, (maxes, [2], 0, True)), (aten._conj.default, (maxes,))):
+        call = OpCall(op, args, {}, (maxes,), (out,))
+        assert all(not s.outputs[0].is_partial() for s in RULES[op](call, 0)), op
 
 
 @examples(15)

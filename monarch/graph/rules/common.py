@@ -12,7 +12,7 @@ import torch
 
 from monarch.graph.rules.table import Emit, Emitter, OpCall, Strategy, op_name
 from monarch.program.instr import Buf, Local
-from monarch.tensor.placement import Placement, R, Shard
+from monarch.tensor.placement import P, Placement, R, Shard
 from monarch.tensor.spec import Spec
 
 aten = torch.ops.aten
@@ -25,6 +25,12 @@ def partials(call: OpCall, mdim: int, carriers: Iterable[int] | None = None,
     found = sorted({call.ins[i].placements[mdim] for i in carry if call.ins[i].placements[mdim].is_partial()}, key=repr)
     return [Strategy(tuple(p if i in carry else R for i in range(len(call.ins))), (p,) * len(call.outs), emit)
             for p in found]
+
+
+def summed(strategies: list[Strategy]) -> list[Strategy]:
+    """The strategies whose output is Partial(sum): what passes through an op that is linear but does
+    not commute with max, min or prod (a transform, a weighted sum, a scatter-add)."""
+    return [s for s in strategies if s.outputs[0] == P]
 
 
 def broadcast_shard(inp: Spec, out: Spec, d: int) -> Placement:

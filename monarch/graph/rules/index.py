@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from monarch.graph.rules.common import aten, kept, partials
+from monarch.graph.rules.common import aten, kept, partials, summed
 from monarch.graph.rules.table import Emit, OpCall, Strategy, register_rule
 from monarch.program.instr import Local
 from monarch.tensor.placement import Partial, Placement, R, Shard
@@ -100,11 +100,6 @@ def index_put(call: OpCall, mdim: int) -> list[Strategy]:
     Partial(sum) does)."""
     strategies = partials(call, mdim, carriers=[0, len(call.ins) - 1])
     return summed(strategies) if call.arg(3, "accumulate", False) else strategies
-
-
-def summed(strategies: list[Strategy]) -> list[Strategy]:
-    """The strategies whose output is Partial(sum)."""
-    return [s for s in strategies if s.outputs[0] == SUM]
 
 
 @register_rule(aten.nonzero_static.default)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from monarch.graph.rules.common import aten, broadcast_shard, partials
+from monarch.graph.rules.common import aten, broadcast_shard, partials, summed
 from monarch.graph.rules.table import Emit, OpCall, Strategy, op_name, register_rule
 from monarch.program.instr import Free, Instr, Local
 from monarch.tensor.placement import P, R, Shard
@@ -34,7 +34,7 @@ def transform(call: OpCall, mdim: int) -> list[Strategy]:
     x = call.ins[0]
     mixed = {d % x.ndim for d in call.arg(1, "dim")}
     kept = [Strategy((Shard(d),), (Shard(d),), _empty_safe) for d in range(x.ndim) if d not in mixed]
-    return kept + partials(call, mdim, emit=_empty_safe)
+    return kept + summed(partials(call, mdim, emit=_empty_safe))
 
 
 def _empty_safe(ctx: Emit) -> list[Local]:
@@ -48,19 +48,19 @@ def _empty_safe(ctx: Emit) -> list[Local]:
 @register_rule(aten._conj.default)
 def conj(call: OpCall, mdim: int) -> list[Strategy]:
     """Elementwise: every dim may be sharded."""
-    return [Strategy((Shard(d),), (Shard(d),)) for d in range(call.ins[0].ndim)] + partials(call, mdim)
+    return [Strategy((Shard(d),), (Shard(d),)) for d in range(call.ins[0].ndim)] + summed(partials(call, mdim))
 
 
 @register_rule(aten.view_as_real.default)
 def view_as_real(call: OpCall, mdim: int) -> list[Strategy]:
     """(..., ) complex -> (..., 2) real: the input's dims keep their numbers."""
-    return [Strategy((Shard(d),), (Shard(d),)) for d in range(call.ins[0].ndim)] + partials(call, mdim)
+    return [Strategy((Shard(d),), (Shard(d),)) for d in range(call.ins[0].ndim)] + summed(partials(call, mdim))
 
 
 @register_rule(aten.view_as_complex.default)
 def view_as_complex(call: OpCall, mdim: int) -> list[Strategy]:
     """(..., 2) real -> (..., ) complex: every dim but the pair's."""
-    return [Strategy((Shard(d),), (Shard(d),)) for d in range(call.ins[0].ndim - 1)] + partials(call, mdim)
+    return [Strategy((Shard(d),), (Shard(d),)) for d in range(call.ins[0].ndim - 1)] + summed(partials(call, mdim))
 
 
 # -- distances --------------------------------------------------------------------------------------
