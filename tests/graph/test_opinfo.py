@@ -35,13 +35,13 @@ from monarch.tensor import dynamic
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, R, Shard
 
-pytestmark = pytest.mark.timeout(300)  # one module fixture runs every OpInfo (about 30 s)
+pytestmark = pytest.mark.timeout(600)  # one module fixture runs every OpInfo (about 90 s on 2 cores)
 PASSING = Path(__file__).with_name("opinfo_passing.txt")
 MAX_SAMPLES = 4          # samples per op (the first usable ones)
 TIMEOUT = 20.0           # seconds for any one fetch
 WARMUP = 180.0           # seconds for the first one (the workers load torch)
-MIN_CLAIMED = 250        # sanity floor on the number of claimed OpInfos (289 when written)
-MIN_PASSING = 440        # strict mode: OpInfos passing every sample (288 before decompositions, 440 after)
+MIN_CLAIMED = 600        # sanity floor on the number of claimed OpInfos (289 when written, 608 now)
+MIN_PASSING = 600        # strict mode: OpInfos passing every sample (288 before decompositions, 440 after, 608 now)
 FAMILIES = (("linalg", ("linalg", "cholesky", "_lu", "lu_", "svd", "qr", "eig", "triangular", "inverse", "det")),
             ("fft", ("fft",)), ("conv and pooling", ("conv", "pool", "upsample", "im2col", "col2im", "pad")),
             ("sort and scan", ("sort", "topk", "kthvalue", "median", "cum", "mode", "unique", "searchsorted")),
