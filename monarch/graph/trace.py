@@ -39,13 +39,26 @@ class Value:
     """The handle a MeshTensor holds: its buffer id and the node that produces it.
 
     `copied_view` marks a view of a copy (its base was redistributed first, or `COPYING_VIEWS`): a write
-    through it would not reach the base, and in-place ops on it are refused.
+    through it would not reach the base, and in-place ops on it are refused. `aliases` holds the live
+    handles whose buffers share this one's storage on the workers (a base and its views).
     """
-    __slots__ = ("id", "node", "tracer", "copied_view")
+    __slots__ = ("id", "node", "tracer", "copied_view", "aliases", "__weakref__")
 
     def __init__(self, id: int, node: fx.Node, tracer: Tracer) -> None:
         self.id, self.node, self.tracer = id, node, tracer
         self.copied_view = False
+        self.aliases: weakref.WeakSet[Value] | None = None
+
+    def share(self, other: Value) -> None:
+        """`other`'s buffer is this one's storage (a view of it, or an in-place op's result on it)."""
+        if self.aliases is None:
+            self.aliases = weakref.WeakSet([self])
+        self.aliases.add(other)
+        other.aliases = self.aliases
+
+    def aliased(self) -> bool:
+        """Whether another live handle shares this buffer's storage."""
+        return self.aliases is not None and len(self.aliases) > 1
 
     def __del__(self) -> None:
         self.tracer.release(self.id)
@@ -177,6 +190,8 @@ class Tracer:
             entry = self._analyze(func, args, kwargs, ins)
             if key is not None:
                 self.cache[key] = entry
+        if entry.inplace:
+            _check_aliased_write(func, ins[0], entry.decision.ins[0])
         srcs = [self._moved(t, want) for t, want in zip(ins, entry.decision.ins, strict=True)]
         bufs = iter([Buf(i) for _, i in srcs])
         local_args = _substitute(args, bufs)
@@ -195,6 +210,8 @@ class Tracer:
                     f"{func.name()}: writing through a view whose base MeshTensor had to be redistributed "
                     f"(now {ins[0]._spec}) would not reach the base; redistribute the base first so the view "
                     "needs no data movement (e.g. to Replicate on the viewed dims), or use an out-of-place op")
+            if srcs[0][1] == ins[0]._handle.id:
+                args[0]._handle.share(outs[0]._handle)
             if self.capture is not None:
                 self.capture.touched.append(weakref.ref(args[0]))
             return _rebind(args[0], outs[0])
@@ -202,6 +219,9 @@ class Tracer:
                                    or func in COPYING_VIEWS):
             for o in outs:
                 o._handle.copied_view = True
+        elif entry.view and ins:
+            for o in outs:
+                ins[0]._handle.share(o._handle)
         return entry.build(outs)
 
     def seeded(self, node: fx.Node) -> None:
@@ -375,6 +395,17 @@ def _structure(func: Any, result: Any) -> tuple[list[torch.Tensor], Callable[[li
         return [result[i] for i in where], build
     raise UnsupportedOpError(f"{func.name()} returns {type(result).__name__}, not tensors; monarch cannot run it on "
                              "a MeshTensor yet; call .full_tensor() first")
+
+
+def _check_aliased_write(func: Any, target: MeshTensor, want: Spec) -> None:
+    """An in-place op that must redistribute its target writes into a copy: refused when a view or a base
+    shares the target's data (they would not see the write). Shape-only in-place views are fine."""
+    if target._handle.aliased() and target._spec.placements != want.placements \
+            and torch.Tag.inplace_view not in func.tags:
+        raise UnsupportedOpError(
+            f"{func.name()}: its target {target._spec} shares its data with a view or a base, and the op needs "
+            f"the target as {want}: the write would land in a copy that the others do not see; redistribute "
+            "the base to that placement first, or use an out-of-place op")
 
 
 def _rebind(target: MeshTensor, out: MeshTensor) -> MeshTensor:

@@ -246,6 +246,28 @@ def test_writes_through_a_view_of_a_moved_base_are_refused() -> None:
     assert torch.equal(y.full_tensor(), want)
 
 
+ALIASED_WRITES = {  # an in-place op whose target must move (a Partial target of a replicated copy)
+    "through a view": lambda x, v, src: v.copy_(src.view(12)),
+    "into the base of a view": lambda x, v, src: x.copy_(src),
+}
+
+
+@pytest.mark.parametrize("write", ALIASED_WRITES.values(), ids=list(ALIASED_WRITES))
+def test_writes_that_move_an_aliased_target_are_refused(write) -> None:
+    """The write would land in a redistributed copy that the view (or the base) does not share: refused
+    before anything runs; once the view is gone, the base alone may move and take the write."""
+    mesh = mesh_of({"x": 2})
+    x = monarch.distribute_tensor(data((3, 4)), mesh, [P])
+    src = monarch.distribute_tensor(torch.ones(3, 4), mesh, [R])
+    v = x.view(12)
+    with pytest.raises(monarch.UnsupportedOpError, match="shares its data with a view or a base"):
+        write(x, v, src)
+    assert torch.equal(x.full_tensor(), data((3, 4))) and torch.equal(v.full_tensor(), data((12,)))
+    del v
+    x.copy_(src)
+    assert torch.equal(x.full_tensor(), torch.ones(3, 4))
+
+
 # -- collectives -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dims", [{"x": 2}, {"dp": 2, "tp": 2}])
 def test_transpose_of_a_shard_moves_nothing(dims) -> None:
