@@ -32,6 +32,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/actors.py
 	$(PY) benchmarks/eager_ops.py
 	$(PY) benchmarks/train_vs_ddp.py
+	$(PY) benchmarks/models.py
 	$(PY) benchmarks/telemetry_overhead.py
 	$(PY) benchmarks/heartbeat.py
 	$(PY) benchmarks/controller_memory.py

@@ -294,6 +294,13 @@ def os_name() -> str:
         return platform.platform()
 
 
+def machine(*extra: str) -> str:
+    """The line a benchmark prints about where it ran (torch's version read without importing it)."""
+    from importlib.metadata import version
+    return ", ".join([f"machine: {cpu_model()}", f"{os.cpu_count()} cores", f"Python {platform.python_version()}",
+                      f"torch {version('torch')}", os_name(), f"load average {os.getloadavg()[0]:.2f}", *extra])
+
+
 def print_machine(size: int, quick: bool) -> None:
     spin_us = config.FLAGS["MONARCH_SPIN_US"].raw()
     print(f"monarch actor benchmarks, {datetime.date.today().isoformat()}, {'quick' if quick else 'full'} run, "

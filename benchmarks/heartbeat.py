@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import signal
 import statistics
 import threading
@@ -22,8 +21,7 @@ import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
-import torch
-from actors import Echo, cpu_model, os_name, signal_detection
+from actors import Echo, machine, signal_detection
 from telemetry_overhead import Switch, calls, compiled_step, paired, pinned, steps_ms, table
 
 from monarch import config
@@ -67,9 +65,7 @@ def bookkeeping_us(n: int = 500_000) -> float:
 
 def print_machine() -> None:
     print(f"monarch heartbeat benchmark, {datetime.date.today().isoformat()}")
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch "
-          f"{torch.__version__}, {os_name()}, load average {os.getloadavg()[0]:.2f}, "
-          f"MONARCH_HEARTBEAT_TIMEOUT={config.heartbeat_timeout():g}")
+    print(machine(f"MONARCH_HEARTBEAT_TIMEOUT={config.heartbeat_timeout():g}"))
 
 
 def main() -> None:

@@ -11,13 +11,9 @@ The ratio is DDP's step time over monarch's (above 1: monarch is faster). Run wi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
-import platform
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -30,8 +26,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 import zoo  # noqa: E402
-from actors import cpu_model, os_name  # noqa: E402
-from train_vs_ddp import print_rows, process_tree, timed  # noqa: E402
+from actors import machine  # noqa: E402
+from train_vs_ddp import print_rows, result_of, timed  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -123,24 +119,8 @@ def measure(kind: str, model: str, args: argparse.Namespace) -> Measured | str:
     """The configuration's result, or why there is none."""
     env = {k: v for k, v in os.environ.items() if k != "MONARCH_STRICT"}
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.world))
-    t0 = time.perf_counter()
-    with subprocess.Popen(command(kind, model, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env) as proc:
-        try:
-            out, err = proc.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            for pid in process_tree(proc.pid):  # torchrun's ranks and mpiexec's workers run in sessions of their own
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            proc.communicate()
-            return f"timed out after {args.timeout} s"
-        finally:
-            print(f"  measured {kind} {model} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = (err.strip().splitlines() or ["no output"])[-1]
-        return f"exit {proc.returncode}: {tail[:100]}"
-    return Measured(**json.loads(lines[-1].removeprefix("RESULT ")))
+    got = result_of(command(kind, model, args), env, args.timeout, f"{kind} {model}")
+    return got if isinstance(got, str) else Measured(**got)
 
 
 def best(kind: str, name: str, args: argparse.Namespace) -> Measured | str:
@@ -170,8 +150,7 @@ def listed(counts: dict[str, int]) -> str:
 
 def print_machine(args: argparse.Namespace) -> None:
     print(f"monarch models, {datetime.date.today().isoformat()}")
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch "
-          f"{torch.__version__}, {os_name()}, load average {os.getloadavg()[0]:.2f}")
+    print(machine())
     print(f"sizes: {size(args)}; SGD with momentum; world {args.world}; {args.warmup} warm-up + {args.steps} "
           f"timed steps per configuration, the fastest of {args.rounds} run(s)\n", flush=True)
 

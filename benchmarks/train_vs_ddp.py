@@ -18,7 +18,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 import gpt  # noqa: E402
-from actors import cpu_model, os_name  # noqa: E402
+from actors import machine  # noqa: E402
 
 TARGET = 0.95  # the throughput ratio to DDP the sweep looks for
 
@@ -173,25 +172,30 @@ def process_tree(root: int) -> list[int]:
 def measure(run: Run, args: argparse.Namespace) -> Result | str:
     """The run's Result, or why there is none."""
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // run.world))}
+    got = result_of(command(run, args), env, args.timeout, f"{NAMES[run.kind]}, world {run.world}, d_model {run.width}")
+    return got if isinstance(got, str) else Result(**got)
+
+
+def result_of(cmd: list[str], env: dict[str, str], timeout: float, label: str) -> dict[str, Any] | str:
+    """Run one configuration's subprocess (its whole process tree killed after `timeout` s): the fields of
+    the last `RESULT {json}` line it printed, or why there are none."""
     t0 = time.perf_counter()
-    with subprocess.Popen(command(run, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env) as proc:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
         try:
-            out, err = proc.communicate(timeout=args.timeout)
+            out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for pid in process_tree(proc.pid):  # torchrun's ranks and mpiexec's workers run in sessions of their own
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.communicate()
-            return f"timed out after {args.timeout} s"
+            return f"timed out after {timeout} s"
         finally:
-            print(f"  measured {NAMES[run.kind]}, world {run.world}, d_model {run.width} "
-                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            print(f"  measured {label} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = (err.strip().splitlines() or ["no output"])[-1]
         return f"exit {proc.returncode}: {tail[:100]}"
-    return Result(**json.loads(lines[-1].removeprefix("RESULT ")))
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 NAMES = {"torch": "plain torch, 1 process", "ddp": "torchrun + DDP (gloo)", "compiled": "monarch compiled",
@@ -253,8 +257,7 @@ def print_rows(rows: Sequence[Sequence[str]]) -> None:
 def print_machine(args: argparse.Namespace) -> None:
     cfg = config(args, args.width)
     print(f"monarch train_vs_ddp, {datetime.date.today().isoformat()}, {'quick' if args.quick else 'full'} run")
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch "
-          f"{torch.__version__}, {os_name()}, load average {os.getloadavg()[0]:.2f}")
+    print(machine())
     print(f"model: {gpt.n_params(gpt.GPT(cfg)) / 1e6:.2f}M parameters ({cfg}); AdamW; global batch {args.batch}; "
           f"{args.warmup} warm-up + {args.steps} timed steps per configuration\n", flush=True)
 

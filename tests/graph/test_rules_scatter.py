@@ -101,13 +101,18 @@ def test_masked_scatter(data: st.DataObject) -> None:
     c.run(lambda x, m, s: x.masked_scatter(m, s), c.randn(*shape), mask, source)
 
 
+def _grid_shapes(data: st.DataObject, spatial: int, most: int) -> tuple[int, int, list[int], list[int]]:
+    """Batch, channels, input and output spatial sizes of a grid sample (each side at most `most`)."""
+    n, ch = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5))
+    return n, ch, [data.draw(st.integers(1, most)) for _ in range(spatial)], \
+        [data.draw(st.integers(1, most)) for _ in range(spatial)]
+
+
 @pytest.mark.parametrize("spatial", [2, 3])
 @examples(25)
 def test_grid_sample(spatial: int, data: st.DataObject) -> None:
     c = Case(data)
-    n, ch = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5))
-    size = [data.draw(st.integers(1, 5)) for _ in range(spatial)]
-    out = [data.draw(st.integers(1, 5)) for _ in range(spatial)]
+    n, ch, size, out = _grid_shapes(data, spatial, 5)
     modes = ["bilinear", "nearest"] + (["bicubic"] if spatial == 2 else [])
     mode = data.draw(st.sampled_from(modes))
     padding = data.draw(st.sampled_from(["zeros", "border", "reflection"]))
@@ -120,9 +125,7 @@ def test_grid_sample(spatial: int, data: st.DataObject) -> None:
 @examples(25)
 def test_grid_sampler_backward(spatial: int, data: st.DataObject) -> None:
     c = Case(data)
-    n, ch = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5))
-    size = [data.draw(st.integers(1, 4)) for _ in range(spatial)]
-    out = [data.draw(st.integers(1, 4)) for _ in range(spatial)]
+    n, ch, size, out = _grid_shapes(data, spatial, 4)
     mode, padding, corners = data.draw(st.integers(0, 1)), data.draw(st.integers(0, 2)), data.draw(st.booleans())
     mask = [data.draw(st.booleans()), True]
     op = aten.grid_sampler_2d_backward if spatial == 2 else aten.grid_sampler_3d_backward

@@ -91,6 +91,12 @@ def _check_planned(name: str, k: int, o: Any, shape: tuple[int, ...], dtype: tor
                          "it gives meta ones (do not branch on x.is_meta or on the values)")
 
 
+def linear_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """monarch::linear's weight gradient, "...n,...k->nk" (its definition lives on the controller's side)."""
+    lead = list(range(x.ndim - 1))
+    return torch.tensordot(grad, x, dims=(lead, lead))
+
+
 def refused(message: str) -> torch.Tensor:
     """Stands for a value the controller did not send (over MONARCH_MAX_FRAME): using it raises why."""
     raise TransportError(message)
@@ -100,4 +106,5 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "monarch::chunk": chunk, "monarch::partialize": partialize, "monarch::constant": constant,
     "monarch::random": random, "monarch::arange": arange,
     "monarch::local_map": local_map, "monarch::matmul": torch.matmul, "monarch::refused": refused,
+    "monarch::linear": torch.nn.functional.linear, "monarch::linear_weight_grad": linear_weight_grad,
 }

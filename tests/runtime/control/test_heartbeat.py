@@ -154,8 +154,7 @@ def test_a_paused_controller_fails_no_worker() -> None:
     no worker is failed for it."""
     script = textwrap.dedent("""
         import sys
-        import monarch
-from monarch.actor import Actor, endpoint, this_host
+        from monarch.actor import Actor, endpoint, this_host
 
         class Echo(Actor):
             @endpoint
