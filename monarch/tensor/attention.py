@@ -46,8 +46,6 @@ def _forward(o: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     dropout_p = o["dropout_p"] if o["training"] else 0.0
     weights = None
     if o["need_weights"]:
-        if is_causal and mask is None:
-            raise AssertionError("FIXME: is_causal not implemented for need_weights")
         scores = (q * math.sqrt(1.0 / float(hd))) @ k.transpose(-2, -1)
         weights = F.softmax(scores if mask is None else scores + mask, dim=-1)
         out = (F.dropout(weights, p=dropout_p) if dropout_p > 0.0 else weights) @ v
