@@ -96,7 +96,7 @@ def _fallback(call: OpCall) -> Decision:
     name = call.name
     if config.strict():
         raise UnsupportedOpError(f"{name}: no sharding rule (inputs {list(call.ins)}); register one with "
-                                 "@register_rule in monarch/graph/rules_<family>.py, or unset MONARCH_STRICT to "
+                                 "@register_rule in monarch/graph/rules/<family>.py, or unset MONARCH_STRICT to "
                                  "run it replicated")
     _fallbacks[name] += 1
     if name not in _warned:
