@@ -55,6 +55,11 @@ class RemoteError(MonarchError):
                            self.remote_traceback, self.exc_type))
 
 
+class CheckpointError(MonarchError, RuntimeError):
+    """A checkpoint cannot be saved or loaded as asked (not a checkpoint, a missing key, a shape mismatch,
+    a failed write); nothing was loaded, and an earlier checkpoint at that id is intact."""
+
+
 class ActorError(RemoteError):
     """An actor endpoint (or the actor's ``__init__``) raised."""
 

@@ -102,9 +102,20 @@ def refused(message: str) -> torch.Tensor:
     raise TransportError(message)
 
 
+def _checkpoint(name: str) -> Callable[..., Any]:
+    """A kernel of monarch.runtime.engine.checkpoint, which loads torch.distributed.checkpoint (about 1 s)
+    when a checkpoint first needs it."""
+    def run(*args: Any) -> Any:
+        from monarch.runtime.engine import checkpoint
+        return checkpoint.KERNELS[name](*args)
+    return run
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
     "monarch::chunk": chunk, "monarch::partialize": partialize, "monarch::constant": constant,
     "monarch::random": random, "monarch::arange": arange,
     "monarch::local_map": local_map, "monarch::matmul": torch.matmul, "monarch::refused": refused,
     "monarch::linear": torch.nn.functional.linear, "monarch::linear_weight_grad": linear_weight_grad,
+    **{f"monarch::dcp_{name}": _checkpoint(name) for name in (
+        "write", "wait", "finish", "abort", "metadata", "read", "rng_state", "set_rng_state")},
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -19,9 +20,9 @@ from monarch import config
 from monarch.errors import TraceError, TransportError
 from monarch.graph.decompose import decomposition
 from monarch.graph.partition import partition
-from monarch.graph.rules.table import writes_first_arg
+from monarch.graph.rules.table import Emit, writes_first_arg
 from monarch.graph.trace import TracedGraph, Tracer
-from monarch.program.instr import Comm, Local, Start
+from monarch.program.instr import Buf, Comm, Local, Start
 from monarch.program.program import RankProgram
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import InvokeProgram
@@ -31,7 +32,7 @@ from monarch.runtime.session.lower import lower, lower_install
 from monarch.tensor.dynamic import whole
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
-from monarch.tensor.spec import Spec
+from monarch.tensor.spec import Spec, spec_of
 
 
 class Runner(Protocol):
@@ -111,6 +112,30 @@ class Session:
         """Partial dims are reduced on the workers; each distinct shard then comes to the controller."""
         src = self.redistribute(t, tuple(Replicate() if p.is_partial() else p for p in t._spec.placements))
         future = self.flush(Fetch.of(src), sync=True)
+        assert future is not None
+        return future
+
+    def on_ranks(self, op: str, args_of: Callable[[int, tuple[int, ...]], tuple], ins: Sequence[MeshTensor] = (),
+                 specs: Sequence[Spec | None] = (None,)) -> list[MeshTensor]:
+        """Kernel `op` on every rank, called with `args_of(rank index, coords)` and then the rank's pieces of
+        `ins`; it returns one result per spec: a piece placed as the spec, or (None) any picklable value,
+        held by the returned handle until `values` fetches it."""
+        self._sync_point(f"{op} (a checkpoint step)")
+        srcs = [self.tracer._moved(t, t._spec) for t in ins]
+        bufs = tuple(Buf(i) for _, i in srcs)
+        index = {c: n for n, c in enumerate(self.abstract.coords())}
+        value = spec_of(torch.empty((), dtype=torch.uint8, device="meta"), (Replicate(),) * len(self.abstract),
+                        self.abstract)
+        out_specs = tuple(value if spec is None else spec for spec in specs)
+
+        def make(ctx: Emit) -> list[Local]:
+            return [Local(op, (*args_of(index[ctx.coords], ctx.coords), *bufs), {}, ctx.out_ids)]
+        node, ids = self.tracer.node(_target(op), tuple(n for n, _ in srcs), out_specs, make)
+        return [self.tracer.wrap(spec, node, i) for spec, i in zip(out_specs, ids, strict=True)]
+
+    def values(self, handle: MeshTensor) -> Future[list[Any]]:
+        """Every rank's value of an `on_ranks` result, in rank order (a sync point)."""
+        future = self.flush(Values(handle._handle.id, handle._spec, tuple(range(len(self.view)))), sync=True)
         assert future is not None
         return future
 
@@ -240,6 +265,15 @@ def _cut(programs: tuple[RankProgram, ...], start: int, stop: int | None) -> tup
     return tuple(replace(p, instrs=p.instrs[start:stop]) for p in programs)
 
 
+@functools.cache
+def _target(op: str) -> Callable[..., Any]:
+    """The graph node target standing for worker kernel `op` (run only by the workers)."""
+    def kernel(*args: Any) -> Any:
+        raise AssertionError(f"{op} runs on the workers only")
+    kernel.__name__ = kernel.__qualname__ = op.replace("::", "_")
+    return kernel
+
+
 def _synced(state: CallState) -> None:
     """Raise the error of the lowest failing rank, if any."""
     for i in range(len(state.raw)):
@@ -272,6 +306,14 @@ class Fetch:
         for i in self.holders:
             out[tuple(slice(s, s + n) for s, n in self.spec.bounds(coords[i]))] = values[i]
         return out
+
+
+@dataclass(frozen=True)
+class Values(Fetch):
+    """Every rank sends its value of buffer `id`, as it is (a kernel's Python result)."""
+
+    def assemble(self, state: CallState) -> list[Any]:
+        return [state.value(i) for i in range(len(state.raw))]
 
 
 _sessions: dict[tuple[int, Any], Session] = {}
