@@ -91,23 +91,18 @@ class SaveSet:
     metadata: Metadata
 
 
+ITEM_BYTES = 1024  # what torch.save adds to each item's data in a DCP file, about
+
+
 def plan_save(flat: Flat, mappings: dict[str, Any], n_ranks: int, path: str, final: str,
               stage: bool) -> SaveSet:
     items: list[list[WriteItem]] = [[] for _ in range(n_ranks)]
-    load = [0] * n_ranks
-    pieces: dict[str, MeshTensor] = {}
     objects: list[tuple[str, bytes | torch.Tensor]] = []
+    pieces = {fqn: whole(v) for fqn, v in flat.items() if isinstance(v, MeshTensor)}
     for fqn, v in flat.items():
         if isinstance(v, MeshTensor):
-            t = pieces[fqn] = whole(v)
-            spec = t._spec
-            for bounds, ranks in _writers(spec):
-                r = min(ranks, key=load.__getitem__)
-                sizes = tuple(n for _, n in bounds)
-                load[r] += spec.dtype.itemsize * _numel(sizes)
-                items[r].append(_tensor_item(fqn, WriteItemType.SHARD, tuple(s for s, _ in bounds), sizes,
-                                             spec.shape, spec.dtype))
-        elif isinstance(v, torch.Tensor):
+            continue
+        if isinstance(v, torch.Tensor):
             t = v.detach().cpu()
             items[0].append(_tensor_item(fqn, WriteItemType.TENSOR, (0,) * t.ndim, tuple(t.shape), tuple(t.shape),
                                          t.dtype))
@@ -117,6 +112,17 @@ def plan_save(flat: Flat, mappings: dict[str, Any], n_ranks: int, path: str, fin
             torch.save(v, blob)  # as DCP's planner stores an object
             items[0].append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
             objects.append((fqn, blob.getvalue()))
+    load = [0] * n_ranks
+    load[0] = sum(ITEM_BYTES + (len(o) if isinstance(o, bytes) else o.nbytes) for _, o in objects)
+    shares = [(fqn, bounds, ranks) for fqn, t in pieces.items() for bounds, ranks in _writers(t._spec)]
+    shares.sort(key=lambda s: -_numel(tuple(n for _, n in s[1])) * pieces[s[0]].dtype.itemsize)
+    for fqn, bounds, ranks in shares:  # largest first, each to the least loaded rank holding it
+        spec = pieces[fqn]._spec
+        r = min(ranks, key=load.__getitem__)
+        sizes = tuple(n for _, n in bounds)
+        load[r] += ITEM_BYTES + spec.dtype.itemsize * _numel(sizes)
+        items[r].append(_tensor_item(fqn, WriteItemType.SHARD, tuple(s for s, _ in bounds), sizes, spec.shape,
+                                     spec.dtype))
     plans, metadata = create_default_global_save_plan([SavePlan(i) for i in items])
     plans = FileSystemWriter(path).prepare_global_plan(plans)  # each rank's file prefix
     metadata.planner_data = mappings
