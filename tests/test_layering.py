@@ -123,6 +123,17 @@ def test_only_the_session_and_the_user_facing_modules_import_graph() -> None:
     assert not bad, bad
 
 
+def test_checkpoint_reaches_the_mesh_through_the_session_never_the_compiler() -> None:
+    """monarch.checkpoint plans on the controller (torch, the tensor API, the session); the workers' side
+    of it is monarch.runtime.engine.checkpoint, whose job types it builds."""
+    def allowed(m: str) -> bool:
+        return stdlib_or_torch(m) or within(m, *BASE, *CORE, "monarch.checkpoint", "monarch.runtime.session",
+                                            "monarch.runtime.engine.checkpoint")
+
+    bad = violations(modules_in("monarch.checkpoint"), allowed)
+    assert not bad, bad
+
+
 def test_no_import_cycles() -> None:
     import networkx as nx
     graph = nx.DiGraph()

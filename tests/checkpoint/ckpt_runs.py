@@ -83,7 +83,8 @@ def state(model: nn.Module, opt: torch.optim.Optimizer, mesh: Any, step: int) ->
 
 def resume(mesh: Any, others: list[Any], path: Path, compiled: bool, k: int = 2, n: int = 3) -> None:
     """Train k steps on `mesh` and save; train n more (the uninterrupted losses); then, on each mesh of
-    `others`, a fresh model and optimizer load the checkpoint and train the same n steps: same losses."""
+    `others`, a fresh model and optimizer load the checkpoint and train the same n steps: same losses.
+    Last, the first model loads it in place and its (compiled) step trains the n steps again."""
     monarch.manual_seed(7)
     data = batches(k + n)
     model, opt = build(mesh)
@@ -99,6 +100,10 @@ def resume(mesh: Any, others: list[Any], path: Path, compiled: bool, k: int = 2,
         assert sd["step"] == k
         got = losses(stepper(fresh, fresh_opt, compiled), data[k:])
         assert got == pytest.approx(want, rel=1e-6, abs=1e-7), f"on {other!r}: {got} != {want}"
+    sd = state(model, opt, mesh, 0)
+    mcp.load(sd, checkpoint_id=path, timeout=T)
+    mcp.set_state_dict(model, opt, sd)
+    assert losses(step, data[k:]) == want
 
 
 def plain_values(obj: nn.Module | torch.optim.Optimizer) -> dict[str, Any]:

@@ -79,8 +79,9 @@ def _guard_save() -> None:
         where = _mesh_tensor_in(obj, "obj", set())
         if where is not None:
             raise ShardingError(f"torch.save(obj, ...): {where} is a MeshTensor, whose data lives on the workers; "
-                                "save monarch.full_state_dict(model or optimizer) instead (or t.full_tensor() of a "
-                                "tensor). Nothing was written")
+                                "checkpoint with monarch.checkpoint.save(state_dict, checkpoint_id=...) (each worker "
+                                "writes its pieces), or save monarch.full_state_dict(model or optimizer) (or "
+                                "t.full_tensor() of a tensor) to gather it here. Nothing was written")
         path = isinstance(f, (str, os.PathLike))
         start = f.tell() if not path and getattr(f, "seekable", lambda: False)() else None
         try:
