@@ -32,8 +32,9 @@ _pending: list[SaveFuture] = []
 
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, timeout: float | None = None) -> Metadata:
-    """Write `state_dict` as a DCP checkpoint at directory `checkpoint_id`: every rank writes its own
-    pieces, one writer per replicated piece. Returns the checkpoint's metadata."""
+    """Write `state_dict` as a DCP checkpoint at directory `checkpoint_id` (a path on the workers' file
+    system, shared by them when they span hosts): every rank writes its own pieces, one writer per
+    replicated piece. Returns the checkpoint's metadata."""
     return _start(state_dict, checkpoint_id, stage=False).get(timeout)
 
 
@@ -50,7 +51,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, timeou
     other values are replaced, Stateful values get load_state_dict. Every key and shape is checked
     before anything is read, and nothing changes unless every read succeeded."""
     wait_pending(timeout)
-    path = os.fspath(checkpoint_id)
+    path = _path(checkpoint_id)
     states, templates = _resolve_stateful(state_dict)
     flat, mappings = flatten(templates)
     session = session_of_values(flat)
@@ -97,7 +98,7 @@ def _object(blob: bytes) -> Any:
 # -- saving ------------------------------------------------------------------------------------
 def _start(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, stage: bool) -> SaveFuture:
     wait_pending()
-    final = os.path.abspath(os.fspath(checkpoint_id))
+    final = _path(checkpoint_id)
     path = f"{final}.tmp-{secrets.token_hex(4)}"
     _, templates = _resolve_stateful(state_dict)
     flat, mappings = flatten(templates)
@@ -197,6 +198,11 @@ def _resolve_stateful(state_dict: dict[str, Any]) -> tuple[dict[str, Stateful], 
     """The Stateful values by key, and the state dict with each replaced by its state_dict()."""
     states = {k: v for k, v in state_dict.items() if isinstance(v, Stateful) and not isinstance(v, torch.Tensor)}
     return states, {k: states[k].state_dict() if k in states else v for k, v in state_dict.items()}
+
+
+def _path(checkpoint_id: str | os.PathLike) -> str:
+    """The directory, as the workers see it (a relative one is relative to their working directory)."""
+    return os.path.normpath(os.fspath(checkpoint_id))
 
 
 def _on_first_rank(session: Any, op: str, arg: Any, timeout: float | None) -> Any:
