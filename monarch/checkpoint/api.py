@@ -81,14 +81,14 @@ def _load_on_mesh(session: Any, flat: dict[str, Any], mappings: dict[str, Any], 
     except RemoteError as e:
         raise CheckpointError(f"reading checkpoint {path!r} failed on rank {e.rank}: {e}; nothing was loaded") from e
     with torch.no_grad():
-        for (fqn, target, _), loaded in zip(planned.targets, handles[:-1], strict=True):
+        for (_, target, _), loaded in zip(planned.targets, handles[:-1], strict=True):
             target.copy_(loaded)
-        for fqn, value in extras.items():
-            target = flat[fqn]
-            if isinstance(target, torch.Tensor) and not isinstance(target, MeshTensor):
-                target.copy_(value if isinstance(value, torch.Tensor) else _object(value))
+        for fqn, value in extras.items():  # read by the first rank: plain tensors (copied into) and objects
+            value = value if isinstance(value, torch.Tensor) else _object(value)
+            if isinstance(flat[fqn], torch.Tensor):
+                flat[fqn].copy_(value)
             else:
-                set_element(templates, mappings[fqn], value if isinstance(value, torch.Tensor) else _object(value))
+                set_element(templates, mappings[fqn], value)
 
 
 def _object(blob: bytes) -> Any:

@@ -111,9 +111,9 @@ _EXTERNAL = fx.Graph().placeholder("external")  # the producer of buffers made b
 class Tracer:
     """The pending graph of one mesh view."""
 
-    def __init__(self, mesh: Extent, backend: Backend) -> None:
+    def __init__(self, mesh: Extent, backend: Backend, ids: Iterator[int] | None = None) -> None:
         self.mesh, self.backend = mesh, backend
-        self.ids = itertools.count(1)
+        self.ids = itertools.count(1) if ids is None else ids  # buffer ids: shared by the views of one store
         self.live: dict[int, int] = {}  # buffer id -> how many Values name it (a cached redistribution is shared)
         self.released: list[int] = []
         self.cache: dict[Any, Recorded] = {}

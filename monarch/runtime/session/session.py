@@ -9,8 +9,9 @@ runner steps them in this process. Errors are raised in rank order.
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -55,12 +56,12 @@ class Runner(Protocol):
 class Session:
     """Backend of the MeshTensors of one mesh view; `runner` runs what it records."""
 
-    def __init__(self, procs: Any, runner: Runner) -> None:
+    def __init__(self, procs: Any, runner: Runner, ids: Iterator[int] | None = None) -> None:
         self.mesh = procs
         self.runner = runner
         self.view = procs._shape
         self.abstract = self.view.extent
-        self.tracer = Tracer(self.abstract, self)
+        self.tracer = Tracer(self.abstract, self, ids)
         self.flushes = 0
         self.collectives: list[str] = []  # kind[dim] of every collective shipped, in order
         self.flush_ops = config.flush_ops()
@@ -317,6 +318,7 @@ class Values(Fetch):
 
 
 _sessions: dict[tuple[int, Any], Session] = {}
+_buffer_ids: dict[int, Iterator[int]] = {}
 _all: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
@@ -332,6 +334,7 @@ def session_of(procs: Any) -> Session:
         return own
     key = (procs._mesh.id, procs._shape)
     s = _sessions.get(key)
-    if s is None:
-        s = _sessions[key] = Session(procs, RemoteRunner(procs))
+    if s is None:  # every view of a proc mesh numbers its buffers from one counter: its workers share one store
+        ids = _buffer_ids.setdefault(procs._mesh.id, itertools.count(1))
+        s = _sessions[key] = Session(procs, RemoteRunner(procs), ids)
     return s

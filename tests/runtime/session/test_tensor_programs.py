@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from strategies import Program, programs, reference_mesh, run_program, tensor_meshes
 
 import monarch
+from monarch import Shard
 from monarch.actor import ProcMesh, this_host
 from monarch.runtime.session import api
 from monarch.runtime.session.local import LocalMesh
@@ -103,3 +104,20 @@ def test_factories_under_activate_on_the_reference_mesh_equal_processes(real_mes
     for a, b in zip(local, real, strict=True):
         assert torch.equal(a, b)
     assert local[0].std() > 0.5 and local[1].abs().sum() > 0
+
+
+def test_views_of_one_mesh_keep_their_buffers_apart(procs: ProcMesh) -> None:
+    """Tensors of several views of one proc mesh (the mesh, a flattened view, one process) live in the
+    same worker stores: each keeps its own values, also after another view's tensors are freed."""
+    T = 60.0
+    a = monarch.distribute_tensor(torch.arange(4.0), procs, {"dp": Shard(0)})
+    flat = procs.flatten("dp")
+    b = monarch.distribute_tensor(torch.arange(8.0) * 10, flat, {"dp": Shard(0)})
+    c = monarch.distribute_tensor(torch.full((3,), 7.0), procs.slice(dp=0, tp=0))
+    assert torch.equal(a.full_tensor(timeout=T), torch.arange(4.0))
+    assert torch.equal(b.full_tensor(timeout=T), torch.arange(8.0) * 10)
+    del b
+    d = monarch.distribute_tensor(torch.ones(8), flat, {"dp": Shard(0)})
+    assert torch.equal((d * 2).full_tensor(timeout=T), torch.full((8,), 2.0))
+    assert torch.equal(a.full_tensor(timeout=T), torch.arange(4.0))
+    assert torch.equal(c.full_tensor(timeout=T), torch.full((3,), 7.0))
