@@ -1,13 +1,16 @@
 """A torchrun job (2 ranks, gloo) with the checkpoint tests' model sharded by DTensor, as plain DCP users run it.
 
-`save PATH`: weights from seed 11, Linear weights Shard(0) and the rest replicated over the 2 ranks, one AdamW
-step on the batch of seed 11 (dropout off), then dcp.save of get_state_dict(model, opt) and step=1.
-`load PATH`: a model from another seed loads PATH with dcp.load and set_state_dict; rank 0 prints the
-step and the sum of every full parameter.
+`dtensor_job.py SAVE LOAD`: weights from seed 11, Linear weights Shard(0) and the rest replicated over
+the 2 ranks, one AdamW step on the batch of seed 11 (dropout off), then dcp.save of get_state_dict(model,
+opt) and step=1 to SAVE. Then it waits for a checkpoint to appear at LOAD (its .metadata), loads it into
+a model of another seed with dcp.load and set_state_dict, and rank 0 prints the step and the sum of
+every full parameter.
 """
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,6 +19,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor, init_device_mesh
 
 from tests.checkpoint.ckpt_runs import batches, build, losses, stepper
+
+WAIT = 100.0  # seconds to wait for the checkpoint to load
 
 
 def sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -34,25 +39,31 @@ def sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
-def main(mode: str, path: str) -> None:
-    dist.init_process_group("gloo")
-    if mode == "save":
-        model, opt = sharded(11)
-        losses(stepper(model, opt, False), batches(1, seed=11))
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd, "step": 1}, checkpoint_id=path)
-    else:
-        model, opt = sharded(3)
-        losses(stepper(model, opt, False), batches(1, seed=3))  # optimizer state to load into
-        msd, osd = get_state_dict(model, opt)
-        sd = {"model": msd, "optim": osd, "step": 0}
-        dcp.load(sd, checkpoint_id=path)
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        total = sum(p.full_tensor().double().sum().item() for p in model.parameters())
-        if dist.get_rank() == 0:
-            print(f"step {sd['step']} checksum {total:.6e}")
-    dist.destroy_process_group()
+def save(path: str) -> None:
+    model, opt = sharded(11)
+    losses(stepper(model, opt, False), batches(1, seed=11))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "step": 1}, checkpoint_id=path)
+
+
+def load(path: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not os.path.exists(os.path.join(path, ".metadata")):
+        assert time.monotonic() < deadline, f"no checkpoint at {path} after {WAIT} s"
+        time.sleep(0.1)
+    model, opt = sharded(3)
+    losses(stepper(model, opt, False), batches(1, seed=3))  # optimizer state to load into
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd, "step": 0}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    total = sum(p.full_tensor().double().sum().item() for p in model.parameters())
+    if dist.get_rank() == 0:
+        print(f"step {sd['step']} checksum {total:.6e}", flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    dist.init_process_group("gloo")
+    save(sys.argv[1])
+    load(sys.argv[2])
+    dist.destroy_process_group()

@@ -11,6 +11,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,31 +84,41 @@ def test_the_workers_generators_resume(procs: ProcMesh, tmp_path: Path) -> None:
     assert len({tuple(v) for v in want.values()}) == 4, "each worker has a generator of its own"
 
 
-def torchrun(mode: str, path: Path) -> str:
-    """tests/checkpoint/dtensor_job.py under torchrun with 2 ranks (gloo); its last line of output."""
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "checkpoint" / "dtensor_job.py"), mode, str(path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return (done.stdout.strip().splitlines() or [""])[-1]
+def wait_for(path: Path, job: subprocess.Popen, timeout: float = 100.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path / ".metadata").exists():
+        if job.poll() is not None:
+            raise AssertionError(f"the torchrun job exited with {job.returncode}: {job.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, f"no checkpoint at {path} after {timeout} s"
+        time.sleep(0.1)
 
 
 def test_a_torchrun_dtensor_checkpoint_loads_here_and_the_other_way(procs: ProcMesh, tmp_path: Path) -> None:
-    """torchrun + DTensor (parameters sharded over 2 ranks, AdamW after one step) saves with DCP; the
-    2x2 mesh loads it resharded and equals a plain replay of the same step. A checkpoint monarch
-    writes, torchrun + DTensor reads back (its ranks print the checksum of the full parameters)."""
-    torchrun("save", tmp_path / "from_torchrun")
-    model, opt = build(procs, seed=2)
-    sd = mcp.get_state_dict(model, opt) | {"step": 0}
-    mcp.load(sd, checkpoint_id=tmp_path / "from_torchrun", timeout=T)
-    mcp.set_state_dict(model, opt, sd)
-    assert sd["step"] == 1
-    plain, plain_opt = build(None, seed=11)
-    plain.eval()
-    losses(stepper(plain, plain_opt, False), batches(1, seed=11))
-    for name, value in plain.state_dict().items():
-        torch.testing.assert_close(plain_values(model)[name], value, rtol=1e-6, atol=1e-7)
-    mcp.save(mcp.get_state_dict(model, opt) | {"step": 5}, checkpoint_id=tmp_path / "from_monarch", timeout=T)
-    total = sum(v.double().sum().item() for v in plain_values(model).values())
-    assert torchrun("load", tmp_path / "from_monarch") == f"step 5 checksum {total:.6e}"
+    """A torchrun + DTensor job (tests/checkpoint/dtensor_job.py: parameters sharded over 2 ranks, AdamW
+    after one step) saves with DCP; the 2x2 mesh loads it resharded and equals a plain replay of the
+    same step. The job then reads back the checkpoint monarch writes (it prints the full parameters' sum)."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2",
+           str(ROOT / "tests" / "checkpoint" / "dtensor_job.py"), str(tmp_path / "torchrun"), str(tmp_path / "monarch")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) as job:
+        try:
+            wait_for(tmp_path / "torchrun", job)
+            model, opt = build(procs, seed=2)
+            sd = mcp.get_state_dict(model, opt) | {"step": 0}
+            mcp.load(sd, checkpoint_id=tmp_path / "torchrun", timeout=T)
+            mcp.set_state_dict(model, opt, sd)
+            assert sd["step"] == 1
+            plain, plain_opt = build(None, seed=11)
+            plain.eval()
+            losses(stepper(plain, plain_opt, False), batches(1, seed=11))
+            for name, value in plain.state_dict().items():
+                torch.testing.assert_close(plain_values(model)[name], value, rtol=1e-6, atol=1e-7)
+            mcp.save(mcp.get_state_dict(model, opt) | {"step": 5}, checkpoint_id=tmp_path / "monarch", timeout=T)
+            total = sum(v.double().sum().item() for v in plain_values(model).values())
+            out, err = job.communicate(timeout=100)
+        finally:
+            if job.poll() is None:  # torchrun stops its ranks on SIGTERM
+                job.terminate()
+                job.wait(30)
+    assert job.returncode == 0, err[-3000:]
+    assert out.strip().splitlines()[-1] == f"step 5 checksum {total:.6e}"
