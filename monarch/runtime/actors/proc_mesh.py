@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from monarch.errors import MeshError, SupervisionError
 from monarch.runtime.actors.actor_mesh import ActorMesh
 from monarch.runtime.actors.endpoint import endpoints_of
+from monarch.runtime.actors.log_options import Applied, logging_option
 from monarch.runtime.control import codec
 from monarch.runtime.control.client import tensor_api
 from monarch.runtime.control.commands import SpawnActor
@@ -96,11 +98,25 @@ class ProcMesh(MeshView):
         """The host of each rank of this view, as the rank reported it, in row-major order."""
         return [self._mesh.hosts[r] for r in self._shape.ranks()]
 
+    def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = 3,
+                       level: int = logging.INFO) -> Applied:
+        """Worker output of this job (stdout, stderr, logging at or above `level`): streamed to this console,
+        identical lines of many ranks folded into one per `aggregate_window_sec` s window (`[dp=0..3] x4 loss
+        0.5`; None: each line at once), or, with stream_to_client=False, kept off it (telemetry still has it).
+        Returns a Future (`await` or `.get()`) done once every rank set its level (log_options.py)."""
+        return logging_option(self, stream_to_client, aggregate_window_sec, level)
+
     def sync_workspace(self, path: str | os.PathLike[str], *, reload: bool = True) -> Any:
         """Copy directory `path` to the hosts of this mesh, first on the workers' `sys.path`, reloading the
         changed modules (monarch/cluster/workspace.py); returns a SyncReport."""
         from monarch.cluster.workspace import sync_workspace
         return sync_workspace(self, path, reload=reload)
+
+    def run_spmd(self, script: str, args: Sequence[str] = (), *, timeout: float | None = None) -> None:
+        """Run the torchrun-style `script` with `args` on every proc of this view, with RANK, WORLD_SIZE,
+        MASTER_ADDR, ... set as torchrun sets them (monarch/spmd.py); raises the first rank's failure."""
+        from monarch.spmd import run_spmd
+        run_spmd(self, script, args, timeout=timeout)
 
     @property
     def pids(self) -> list[int]:
