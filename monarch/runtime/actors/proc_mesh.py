@@ -14,6 +14,7 @@ from typing import Any
 from monarch.errors import MeshError, SupervisionError
 from monarch.runtime.actors.actor_mesh import ActorMesh
 from monarch.runtime.actors.endpoint import endpoints_of
+from monarch.runtime.actors.log_options import Applied, logging_option
 from monarch.runtime.control import codec
 from monarch.runtime.control.client import tensor_api
 from monarch.runtime.control.commands import SpawnActor
@@ -96,6 +97,14 @@ class ProcMesh(MeshView):
     def hostnames(self) -> list[str]:
         """The host of each rank of this view, as the rank reported it, in row-major order."""
         return [self._mesh.hosts[r] for r in self._shape.ranks()]
+
+    def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = 3,
+                       level: int = logging.INFO) -> Applied:
+        """Worker output of this job (stdout, stderr, logging at or above `level`): streamed to this console,
+        identical lines of many ranks folded into one per `aggregate_window_sec` s window (`[dp=0..3] x4 loss
+        0.5`; None: each line at once), or, with stream_to_client=False, kept off it (telemetry still has it).
+        Returns a Future (`await` or `.get()`) done once every rank set its level (log_options.py)."""
+        return logging_option(self, stream_to_client, aggregate_window_sec, level)
 
     def sync_workspace(self, path: str | os.PathLike[str], *, reload: bool = True) -> Any:
         """Copy directory `path` to the hosts of this mesh, first on the workers' `sys.path`, reloading the

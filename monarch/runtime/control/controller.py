@@ -31,6 +31,7 @@ from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, Te
 from monarch.runtime.control.futures import CallState, deadline_of
 from monarch.runtime.control.poller import Poller
 from monarch.runtime.telemetry.events import RECORDER, Events, now_us, output_lines
+from monarch.runtime.telemetry.logs import OUTPUT
 from monarch.runtime.telemetry.store import STORE, Rows
 from monarch.shape import Shape
 
@@ -184,6 +185,8 @@ class Controller:
         self.fan_out(mesh, mesh.shape, codec.encode_frame([Stop()]))
         if mesh.proc is not None:
             launch.terminate(mesh.proc, grace)
+            self._poller.drive(lambda: OUTPUT.drained(mesh.id), time.monotonic() + 1.0)  # its last lines
+        OUTPUT.flush(mesh.id)
         err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} was stopped; spawn a new proc mesh")
         self._ended[mesh.id] = err
         mesh.fail_pending(err)
@@ -212,7 +215,7 @@ class Controller:
                     self._fail(mesh, rank, mesh.pids[rank], "lost its control connection (exit status unknown)")
                 else:
                     nxt = min(nxt, deadline - now)
-        nxt = min(nxt, self._watch.tick(now, self.meshes, self._fail))
+        nxt = min(nxt, self._watch.tick(now, self.meshes, self._fail), OUTPUT.tick(now))
         if STORE.exporter is not None and now >= self._next_export:
             self._export_telemetry()
             self._next_export = now + EXPORT_EVERY_S
@@ -275,9 +278,10 @@ class Controller:
             conn.sock.close()
 
     def _output(self, mesh: Mesh, pipe: Any, stream: Any) -> None:
-        data = pipe.read1(65536)
+        data, name = pipe.read1(65536), "stderr" if stream is sys.stderr else "stdout"
         if not data:
             self._poller.unwatch(pipe.fileno())
+            OUTPUT.end(mesh.id, name)
             if stream is sys.stderr:
                 self._job_exited(mesh)
             return
@@ -285,9 +289,8 @@ class Controller:
         if stream is sys.stderr:
             mesh.stderr_tail.extend(text.splitlines())
         if RECORDER.on:
-            STORE.add(output_lines(mesh.shape, "stderr" if stream is sys.stderr else "stdout", text), mesh.name)
-        stream.write(text)
-        stream.flush()
+            STORE.add(output_lines(mesh.shape, name, text), mesh.name)
+        OUTPUT.write(mesh.id, name, text)  # to this console as the mesh's logging_option says (telemetry/logs.py)
 
     def _job_exited(self, mesh: Mesh) -> None:
         assert mesh.proc is not None
