@@ -4,7 +4,9 @@ run an attach-mode worker agent.
   monarch query "SELECT ..."      run SQL over its telemetry and print a table
   monarch top [--once]            a live view: hosts, procs and actors, message rates, busy time,
                                   memory, the latest failures, and a SQL prompt (runtime/telemetry/top.py)
-Both attach to the newest controller of this user on this machine (or `--pid`), see runtime/admin.py.
+  monarch debug [--pid P]         the debugger of ranks paused at breakpoint(): list, attach <actor> <rank>,
+                                  cast <actor> ranks(...) <pdb command>, continue (runtime/telemetry/debug_console.py)
+All three attach to the newest controller of this user on this machine (or `--pid`), see telemetry/admin.py.
 
   monarch k8s manifest --name N --replicas R --image I [--gpus G] [--port P] [--namespace NS]
                        [--secret-name S] [--create-secret] [--python PY] [--addresses]
@@ -38,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("top", help="a live view of a controller's meshes")
     t.add_argument("--once", action="store_true", help="print one screen and exit")
     t.add_argument("--interval", type=float, default=1.0)
-    for s in (q, t):
+    d = sub.add_parser("debug", help="attach to the ranks paused at a breakpoint (pdb over the control plane)")
+    for s in (q, t, d):
         s.add_argument("--pid", type=int, help="the controller's pid (default: the newest)")
     _add_k8s(sub)
     _add_worker(sub)
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return _k8s(a)
     if a.cmd == "worker":
         return _worker(a)
+    if a.cmd == "debug":
+        return _debug(a.pid)
     from monarch.runtime.telemetry import top
     try:
         if a.cmd == "query":
@@ -64,6 +69,34 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def _debug(pid: int | None) -> int:
+    """Relay lines between this terminal and the controller's `monarch_dbg>` console, until quit or EOF."""
+    from monarch.runtime.telemetry import admin
+    try:
+        sock, answer = admin.open_console(pid)
+    except (OSError, ValueError) as e:
+        print(f"monarch: {e}", file=sys.stderr)
+        return 1
+    with sock:
+        while True:
+            print(answer.get("output", ""), end="", flush=True)
+            if answer.get("done"):
+                return 0
+            try:
+                line = input(answer.get("prompt", ""))
+            except EOFError:
+                line = "quit" if answer.get("prompt") else "detach"
+            except KeyboardInterrupt:
+                print()
+                return 0
+            try:
+                admin.send_json(sock, {"line": line})
+                answer = admin.recv_json(sock)
+            except (OSError, ValueError) as e:
+                print(f"monarch: the controller closed the debugger: {e}", file=sys.stderr)
+                return 1
 
 
 def _add_k8s(sub: argparse._SubParsersAction) -> None:

@@ -15,10 +15,11 @@ from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.control.client import current_rank, current_size
 from monarch.runtime.control.commands import MeshFailure
 from monarch.runtime.control.futures import Future, ValueMesh
+from monarch.runtime.telemetry.debug_console import DebugController, debug_controller
 from monarch.shape import Extent, Point, Shape
 
 __all__ = [
     "Actor", "ActorError", "ActorMesh", "Endpoint", "EndpointRef", "Extent", "Future", "HostMesh", "MeshFailure",
     "Point", "ProcMesh", "Shape", "SupervisionError", "ValueMesh", "attach_to_workers", "current_rank", "current_size",
-    "endpoint", "run_worker_loop_forever", "this_host",
+    "DebugController", "debug_controller", "endpoint", "run_worker_loop_forever", "this_host",
 ]

@@ -69,6 +69,8 @@ EXTERNAL: dict[str, Flag] = {f.name: f for f in [
     Flag("SLURM_JOB_NODELIST", "", "the nodes of that allocation, e.g. node[1-4]"),
     Flag("MPI_LOCALNRANKS", "1", "ranks of the MPI job on this host (MPICH's Hydra), to share its cores"),
     Flag("XDG_RUNTIME_DIR", "", "where the admin endpoint announces itself (default: the temp dir)"),
+    Flag("PYTHONBREAKPOINT", "", "on workers: 0 disables breakpoint(); unset (or pdb.set_trace) pauses the rank in "
+         "a pdb that `monarch debug` attaches to; another debugger is called as Python does"),
     Flag("OTEL_EXPORTER_OTLP_ENDPOINT", "", "set: telemetry is exported there with OpenTelemetry (otel.py)"),
 ]}
 

@@ -156,6 +156,37 @@ class Supervise:
 
 
 @dataclass(frozen=True)
+class DebugPaused:
+    """A rank's pdb (actors/debugger.py) waits for a line: where it stands, and what it printed since its last
+    line (ending with its prompt). `actor`/`endpoint`: the call that hit the breakpoint ("" outside any)."""
+    actor: str
+    endpoint: str
+    rank: int
+    coords: str
+    host: str
+    filename: str
+    function: str
+    lineno: int
+    output: str
+
+
+@dataclass(frozen=True)
+class DebugResumed:
+    """A rank's pdb session ended (continue, quit, or the endpoint returned): the rank runs on."""
+    actor: str
+    rank: int
+    output: str
+
+
+@dataclass(frozen=True)
+class DebugInput:
+    """A line for the pdb of `actor` paused on this rank; `resume`: clear its breakpoints and continue."""
+    actor: str
+    line: str
+    resume: bool = False
+
+
+@dataclass(frozen=True)
 class ProcExit:
     """Sent by a rank's monitor when its worker exits abnormally (os.wait status)."""
     rank: int

@@ -30,6 +30,7 @@ from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, Busy, Call, 
 from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, TelemetrySink
 from monarch.runtime.control.futures import CallState, deadline_of
 from monarch.runtime.control.poller import Poller
+from monarch.runtime.telemetry import breakpoints
 from monarch.runtime.telemetry.events import RECORDER, Events, now_us, output_lines
 from monarch.runtime.telemetry.logs import OUTPUT
 from monarch.runtime.telemetry.store import STORE, Rows
@@ -414,6 +415,7 @@ class Controller:
 HANDLERS: dict[type, Callable[[Controller, Conn, Any], None]] = {  # by the type of a message from a peer
     Reply: Controller._reply, Forward: Controller._forward, Events: Controller._events, Hello: Controller._hello,
     ProcExit: Controller._proc_exit, Busy: Controller._busy}
+HANDLERS.update(breakpoints.HANDLERS)  # a rank paused in pdb, and resumed
 
 _controller: Controller | None = None
 _controller_lock = threading.Lock()

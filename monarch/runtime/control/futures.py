@@ -14,6 +14,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from monarch.errors import MeshError
 from monarch.runtime.control import codec
+from monarch.runtime.telemetry.breakpoints import BREAKPOINTS
 from monarch.shape import MeshView, Point, Shape
 
 R = TypeVar("R")
@@ -97,8 +98,9 @@ def deadline_of(timeout: float | None) -> float | None:
 def timed_out(state: CallState, timeout: float | None) -> TimeoutError:
     """The error of a wait that ran out, naming the earlier call the actor is still busy with, if any (such
     as one whose `get()` was interrupted with Ctrl-C: the remote call runs on)."""
-    text = f"{state.what} did not answer within {timeout} s"
     ranks = state.missing()
+    paused = BREAKPOINTS.waiting_note(state.actor[0], ranks) if state.actor is not None else ""
+    text = f"{state.what} did not answer within {timeout} s{paused}"
     ahead = [o for o in list(_unanswered.values()) if o is not state and o.actor == state.actor
              and o.sent <= state.sent and o.missing() & ranks] if state.actor is not None else []
     if not ahead:

@@ -18,11 +18,13 @@ from typing import Any, Callable
 
 from monarch import config
 from monarch.errors import TransportError
+from monarch.runtime.actors import debugger
 from monarch.runtime.actors.hosting import HostedActor
 from monarch.runtime.control import codec
 from monarch.runtime.control.client import set_client
-from monarch.runtime.control.commands import (CONTROLLER, Busy, Call, Forward, Heartbeat, InstallProgram, InvokeProgram,
-                                              Reply, RunProgram, ShipTelemetry, SpawnActor, Stop, Supervise)
+from monarch.runtime.control.commands import (CONTROLLER, Busy, Call, DebugInput, Forward, Heartbeat, InstallProgram,
+                                              InvokeProgram, Reply, RunProgram, ShipTelemetry, SpawnActor, Stop,
+                                              Supervise)
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.heartbeat import Sender
 from monarch.runtime.control.spin import AdaptiveSpin
@@ -247,6 +249,20 @@ class Worker:
         for actor in self._actors.values():
             actor.supervise(msg.failure)
 
+    def take_queued(self, kind: type, timeout: float) -> tuple[list[Any], bool]:
+        """For a rank paused in pdb (actors/debugger.py), whose loop waits: send what is queued, wait up to
+        `timeout` for messages of `kind` and take them out of the queue (the rest stay, in order); and whether
+        the worker must stop (a Stop is queued, or the controller went away)."""
+        self.flush()
+        if not any(type(m) is kind for m in self._inbox) and not self._stopped:
+            self._pump(timeout)
+        taken = [m for m in self._inbox if type(m) is kind]
+        if taken:
+            rest = [m for m in self._inbox if type(m) is not kind]
+            self._inbox.clear()
+            self._inbox.extend(rest)
+        return taken, self._stopped or any(type(m) is Stop for m in self._inbox)
+
     # -- client protocol: calls that actors make on other meshes ---------------------------------
     def next_call_id(self) -> int:
         return next(self._ids)
@@ -275,6 +291,7 @@ class Worker:
 HANDLERS: dict[type, Callable[[Worker, Any], None]] = {  # by message type (Reply is run as it arrives)
     SpawnActor: Worker._spawn, Call: Worker._call, Reply: Worker._reply, Stop: Worker._stop,
     Supervise: Worker._supervise, Heartbeat: Worker._heartbeat, ShipTelemetry: Worker._ship_telemetry,
+    DebugInput: debugger.stale_input,
     RunProgram: Worker._run_program, InstallProgram: Worker._install, InvokeProgram: Worker._invoke}
 
 
@@ -284,6 +301,7 @@ def main(argv: list[str]) -> int:
     worker = Worker(boot.sock, boot.rank)
     record_logging(boot.rank)
     set_client(worker)
+    debugger.install()
     worker.serve()
     worker.flush()
     worker.sender.close()

@@ -4,7 +4,9 @@ A thread of the controller listens on loopback and announces its port and a rand
 only this user can read (`$XDG_RUNTIME_DIR` or the temp dir, `monarch/controller-<pid>.json`). A
 client sends the token first (compared in constant time before anything else is read), then one
 JSON request `{"sql": ...}`; the answer is JSON `{"columns": [...], "rows": [...], "late": [...]}` (late:
-the ranks that did not send their events within WAIT_S) or `{"error": ...}`. Each connection has its
+the ranks that did not send their events within WAIT_S) or `{"error": ...}`. A request `{"debug": true}` opens a
+`monarch_dbg>` console instead (debug_console.py): `{"line": ...}` requests, each answered `{"output", "prompt",
+"done"}`, until quit or the client hangs up. Each connection has its
 own thread, at most MAX_CONNECTIONS at once (more are closed at once), and TOKEN_DEADLINE_S in all to
 send its token. Nothing a client sends is unpickled; the SQL is read-only (telemetry_db.py).
 """
@@ -103,12 +105,26 @@ class AdminServer:
         if not hmac.compare_digest(token, self.token):
             return
         request = recv_json(conn, MAX_REQUEST, time.monotonic() + REQUEST_DEADLINE_S)
+        if request.get("debug"):
+            self._debug(conn)
+            return
         try:
             with self._queries:
                 rows = self.answer(str(request["sql"]), WAIT_S)
             send_json(conn, {"columns": rows.columns, "rows": [list(r) for r in rows], "late": rows.late})
         except Exception as e:  # noqa: BLE001 - the client shows the error
             send_json(conn, {"error": f"{type(e).__name__}: {e}"})
+
+
+    def _debug(self, conn: socket.socket) -> None:
+        """A console over the ranks paused in pdb: lines until quit (no deadline: a person types them)."""
+        from monarch.runtime.telemetry.debug_console import BANNER, DebugConsole
+        console = DebugConsole()
+        conn.settimeout(None)
+        send_json(conn, {"output": BANNER, "prompt": console.prompt, "done": False})
+        while not console.done:
+            line = str(recv_json(conn, MAX_REQUEST).get("line", ""))
+            send_json(conn, {"output": console.handle(line), "prompt": console.prompt, "done": console.done})
 
 
 def controllers() -> list[dict[str, Any]]:
@@ -122,12 +138,27 @@ def controllers() -> list[dict[str, Any]]:
     return [info for _, info in sorted(found, key=lambda x: x[0], reverse=True)]
 
 
-def query(sql: str, pid: int | None = None, timeout: float = 30.0) -> dict[str, Any]:
-    """Run `sql` on a controller (the newest one unless `pid` is given)."""
+def _find(pid: int | None) -> dict[str, Any]:
     live = [c for c in controllers() if pid is None or c["pid"] == pid]
     if not live:
         raise ConnectionError("no running monarch controller found" + (f" with pid {pid}" if pid else ""))
-    info = live[0]
+    return live[0]
+
+
+def open_console(pid: int | None = None, timeout: float = 30.0) -> tuple[socket.socket, dict[str, Any]]:
+    """Open the `monarch_dbg>` console of a controller (the newest unless `pid` is given): the connection
+    (send `{"line": ...}` with send_json, read the answers with recv_json) and the first answer (the banner)."""
+    info = _find(pid)
+    sock = socket.create_connection(("127.0.0.1", info["port"]), timeout=timeout)
+    sock.settimeout(None)  # a pdb line may run for long
+    sock.sendall(bytes.fromhex(info["token"]))
+    send_json(sock, {"debug": True})
+    return sock, recv_json(sock)
+
+
+def query(sql: str, pid: int | None = None, timeout: float = 30.0) -> dict[str, Any]:
+    """Run `sql` on a controller (the newest one unless `pid` is given)."""
+    info = _find(pid)
     with socket.create_connection(("127.0.0.1", info["port"]), timeout=timeout) as sock:
         try:
             sock.sendall(bytes.fromhex(info["token"]))

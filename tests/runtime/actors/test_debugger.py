@@ -1,0 +1,143 @@
+"""breakpoint() in an endpoint on real workers: the rank pauses in a pdb relayed to the controller, and the
+`monarch_dbg>` console (debug_controller(), `monarch debug`) lists, attaches, casts and continues."""
+from __future__ import annotations
+
+import os
+import pdb
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from monarch.actor import Actor, ActorError, ActorMesh, ProcMesh, current_rank, debug_controller, endpoint, this_host
+
+T = 30  # seconds: generous bound for every wait
+
+
+class Debugee(Actor):
+    @endpoint
+    def to_debug(self, base: int) -> int:
+        x = base + current_rank()["dp"]
+        y = x * 10
+        breakpoint()  # noqa: T100 - what the test is about
+        y = y + 1
+        z = y + 1
+        return z
+
+    @endpoint
+    def ping(self) -> int:
+        return current_rank()["dp"]
+
+
+class Traced(Actor):
+    @endpoint
+    async def traced(self, v: str) -> str:
+        w = v.upper()
+        pdb.set_trace()  # noqa: T100
+        return w + "!"
+
+
+def _pause_line() -> int:
+    """The line a rank pauses at: the one after breakpoint() in to_debug."""
+    import inspect
+    lines, start = inspect.getsourcelines(Debugee)
+    return start + next(i for i, text in enumerate(lines) if "breakpoint()" in text) + 1
+
+
+@pytest.fixture(scope="module")
+def procs() -> Iterator[ProcMesh]:
+    with this_host().spawn_procs(per_host={"dp": 2}) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def debugee(procs: ProcMesh) -> ActorMesh:
+    return procs.spawn("debugee", Debugee)
+
+
+def test_list_attach_cast_continue(debugee: ActorMesh) -> None:
+    fut = debugee.to_debug.call(7)
+    dc = debug_controller()
+    rows = dc.wait_pending_session(2, timeout=T)
+    assert [(r.actor_name, r.rank, r.coords, r.function, r.lineno) for r in rows] == [
+        ("debugee", 0, "dp=0", "to_debug", _pause_line()), ("debugee", 1, "dp=1", "to_debug", _pause_line())]
+    assert rows[0].endpoint == "to_debug" and rows[0].hostname
+
+    out = dc.run("attach debugee 1", timeout=T)
+    assert out.startswith("Attached to debug session for debugee 1") and "-> y = y + 1" in out, out
+    assert dc.run("p y", timeout=T) == "80\n(Pdb) "  # rank 1's local: (7 + 1) * 10
+    assert dc.run("p x * 3", timeout=T) == "24\n(Pdb) "
+    assert "Detached from debug session for debugee 1" in dc.run("detach", timeout=T)
+
+    out = dc.run("cast debugee ranks(0,1) n", timeout=T)
+    assert "[debugee 0]" in out and "[debugee 1]" in out and out.count("-> z = y + 1") == 2, out
+    assert [r.lineno for r in dc.list()] == [_pause_line() + 1] * 2
+    out = dc.run("cast ranks(dp=0) p y", timeout=T)  # by coordinates, actor name left out
+    assert "[debugee 0]\n71\n" in out and "[debugee 1]" not in out, out
+
+    assert not fut.done()
+    assert "continued 2 paused rank(s)" in dc.run("continue", timeout=T)
+    assert fut.get(timeout=T).values() == [72, 82]
+    assert dc.list() == []
+    assert debugee.ping.call().get(timeout=T).values() == [0, 1]  # the ranks serve calls again
+
+
+def test_a_timeout_says_a_breakpoint_is_waiting(debugee: ActorMesh) -> None:
+    fut = debugee.to_debug.call(0)
+    dc = debug_controller()
+    dc.wait_pending_session(2, timeout=T)
+    with pytest.raises(TimeoutError, match="breakpoint is waiting on rank 0, 1") as err:
+        fut.get(timeout=0.5)
+    assert "monarch debug" in str(err.value) and "attach debugee 0" in str(err.value)
+    later = debugee.ping.call()  # queued behind the paused call on both ranks
+    with pytest.raises(TimeoutError, match="breakpoint is waiting"):
+        later.get(timeout=0.5)
+    dc.run("continue", timeout=T)
+    assert fut.get(timeout=T).values() == [2, 12]
+    assert later.get(timeout=T).values() == [0, 1]
+
+
+def test_pdb_set_trace_in_an_async_endpoint_and_quit(procs: ProcMesh) -> None:
+    one = procs.spawn("traced", Traced).slice(dp=1)
+    dc = debug_controller()
+    fut = one.traced.call_one("ok")
+    dc.wait_pending_session(1, timeout=T)
+    dc.run("attach 1", timeout=T)  # the rank alone names the session when one actor has it
+    assert dc.run("p w", timeout=T) == "'OK'\n(Pdb) "
+    assert "Detached" in dc.run("c", timeout=T)  # continue without breakpoints ends the session
+    assert fut.get(timeout=T) == "OK!"
+
+    fut = one.traced.call_one("no")
+    dc.wait_pending_session(1, timeout=T)
+    dc.run("attach traced 1", timeout=T)
+    dc.run("q", timeout=T)
+    with pytest.raises(ActorError, match="BdbQuit"):
+        fut.get(timeout=T)
+    assert dc.list() == []
+
+
+def _monarch_debug(stdin: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "monarch", "debug", "--pid", str(os.getpid())], input=stdin,
+                          capture_output=True, text=True, timeout=T)
+
+
+def test_the_monarch_debug_command(debugee: ActorMesh) -> None:
+    fut = debugee.to_debug.call(100)
+    debug_controller().wait_pending_session(2, timeout=T)
+    out = _monarch_debug("list\nquit\n")
+    assert out.returncode == 0, out.stderr
+    assert "MONARCH DEBUGGER" in out.stdout and "monarch_dbg> " in out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("debugee")]
+    line = str(_pause_line())
+    assert [(r[0], r[1], r[2], r[4], r[5]) for r in rows] == [
+        ("debugee", "0", "dp=0", "to_debug", line), ("debugee", "1", "dp=1", "to_debug", line)]
+
+    out = _monarch_debug("attach debugee 0\np y\ndetach\nlist\n")  # EOF at the prompt quits
+    assert out.returncode == 0, out.stderr
+    assert "Attached to debug session for debugee 0" in out.stdout, out.stdout
+    assert "(Pdb) 1000\n(Pdb) " in out.stdout, out.stdout  # stdin is no terminal: the line is not echoed
+    assert "Detached from debug session for debugee 0" in out.stdout
+    out = _monarch_debug("attach nobody 5\ncontinue\n")
+    assert "no paused rank nobody 5" in out.stdout and "continued 2 paused rank(s)" in out.stdout, out.stdout
+    assert fut.get(timeout=T).values() == [1002, 1012]
