@@ -93,9 +93,9 @@ class Saved:
         sys.path[:] = self.path
         os.chdir(self.cwd)
         if script_dir is not None:
-            for name in [n for n in sys.modules if n not in self.modules]:
+            for name in [n for n in sys.modules if n.partition(".")[0] not in self.modules]:
                 if _defined_under(sys.modules[name], script_dir):
-                    del sys.modules[name]  # the script's own modules: the next script may bring others
+                    del sys.modules[name]  # the script's own modules: the next run imports them afresh
 
 
 def _process_group_initialized() -> bool:
@@ -161,14 +161,14 @@ class SPMDActor(Actor):
         if not script_args or list(script_args)[:1] == ["-m"] and len(script_args) < 2:
             raise SPMDError(f"no script to run in {list(script_args)!r}; pass [script, *args] or "
                             "['-m', module, *args]")
-        saved = Saved()
-        script_dir = None if script_args[0] == "-m" else os.path.dirname(os.path.abspath(script_args[0]))
+        saved, script_dir = Saved(), None
         try:
             os.environ.update(self.topology.env(master_addr, master_port, run_id))
             self._release()
-            workspace = os.environ.get("WORKSPACE_DIR")
+            workspace = os.environ.get("WORKSPACE_DIR")  # a synced workspace (Monarch's), where paths start
             if workspace and os.path.isdir(workspace):
                 os.chdir(workspace)
+            script_dir = None if script_args[0] == "-m" else os.path.dirname(os.path.abspath(script_args[0]))
             _run(list(script_args), script_dir)
         except SystemExit as e:
             if e.code not in (None, 0):
@@ -177,6 +177,17 @@ class SPMDActor(Actor):
                                 f"{self.topology.rank}" + ("" if isinstance(e.code, int) else f": {e.code}")) from None
         finally:
             saved.restore(script_dir)
+        return True
+
+    @endpoint
+    def run_command(self, entrypoint: str, args: Sequence[str], env: dict[str, str]) -> bool:
+        """Run `entrypoint args` (such as a whole torchrun command) as a child process with `env` added to
+        this process's environment; True on status 0, else SPMDError naming the status."""
+        import subprocess
+        done = subprocess.run([entrypoint, *args], env={**os.environ, **env}, check=False)
+        if done.returncode != 0:
+            raise SPMDError(f"{entrypoint} {' '.join(args)} exited with status {done.returncode} on rank "
+                            f"{self.topology.rank}")
         return True
 
     def _release(self) -> None:

@@ -2,16 +2,18 @@
 DDP inside the script equal to plain torch, failures and exit statuses as ActorErrors, the process restored."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from monarch.actor import Actor, ActorError, ProcMesh, endpoint
-from monarch.spmd import SPMDError, Topology, setup_torch_elastic_env
+from monarch.spmd import SPMDActor, SPMDError, Topology, setup_torch_elastic_env, setup_torch_elastic_env_async
 
 T = 60  # seconds: bound of every run (four workers load torch on two cores)
 KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -52,9 +54,10 @@ if __name__ == "__main__":
 '''
 
 FAIL = '''
-import os, sys
+import os, sys, time
 if os.environ["RANK"] == sys.argv[1]:
     raise ValueError("bad batch on this rank")
+time.sleep(float(sys.argv[2]))  # the others are still busy (as if blocked in a collective)
 '''
 
 EXIT = '''
@@ -70,7 +73,7 @@ class Probe(Actor):
     def state(self) -> dict:
         dist = sys.modules.get("torch.distributed")
         return {"env": {k: os.environ.get(k) for k in [*KEYS, "SCRIPT_LEFT_THIS"]}, "argv": list(sys.argv),
-                "cwd": os.getcwd(), "group": bool(dist is not None and dist.is_initialized())}
+                "cwd": os.getcwd(), "path": list(sys.path), "group": bool(dist is not None and dist.is_initialized())}
 
 
 class Trainer(Actor):
@@ -134,15 +137,21 @@ def test_ddp_script_runs_with_torchruns_environment(procs: ProcMesh, probes, tmp
         for got, want in zip(res["params"], expected, strict=True):
             assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6)
     after = probes.state.call().get(timeout=T).values()
-    assert after == before  # environment, argv and cwd restored; the script's process group destroyed
+    assert after == before  # environment, argv, sys.path and cwd restored; the script's process group destroyed
     assert not any(s["group"] for s in after) and all(s["env"]["RANK"] is None for s in after)
     assert "spmd rank 3 of 4 trained" in capsys.readouterr().out
+    (tmp_path / "rank0.json").unlink()
+    procs.run_spmd(str(tmp_path / "train.py"), args=[str(tmp_path), str(STEPS)], timeout=T)  # a new group, port
+    again = json.loads((tmp_path / "rank0.json").read_text())
+    assert again["params"] == results[0]["params"] and again["env"]["MASTER_PORT"] != env["MASTER_PORT"]
 
 
 def test_exception_comes_back_as_actor_error_naming_the_rank(procs: ProcMesh, tmp_path: Path) -> None:
     path = script(tmp_path, "fail.py", FAIL)
+    start = time.monotonic()
     with pytest.raises(ActorError, match="bad batch on this rank") as info:
-        procs.run_spmd(path, args=["2"], timeout=T)
+        procs.run_spmd(path, args=["2", "4"], timeout=T)
+    assert time.monotonic() - start < 3  # raised at once, not when the other ranks end
     assert info.value.rank == 2 and info.value.exc_type == "ValueError"
     assert "rank 2" in str(info.value) and path in info.value.remote_traceback
 
@@ -155,6 +164,18 @@ def test_exit_status_zero_succeeds_nonzero_fails(procs: ProcMesh, probes, tmp_pa
     assert info.value.exc_type == "SPMDError"
     state = probes.state.call().get(timeout=T).values()
     assert all(s["env"]["RANK"] is None and s["argv"] == state[0]["argv"] for s in state)
+
+
+def test_sibling_modules_import_and_are_fresh_on_each_run(procs: ProcMesh, probes, tmp_path: Path) -> None:
+    path = script(tmp_path, "uses_helper.py", "import sys\nfrom spmd_helper import VALUE\n"
+                  "open(sys.argv[1] + '/' + __import__('os').environ['RANK'], 'w').write(str(VALUE))\n")
+    (tmp_path / "spmd_helper.py").write_text("VALUE = 1\n")
+    two = procs.slice(dp=0)
+    two.run_spmd(path, args=[str(tmp_path)], timeout=T)
+    (tmp_path / "spmd_helper.py").write_text("VALUE = 22\n")
+    assert [(tmp_path / r).read_text() for r in "01"] == ["1", "1"]
+    two.run_spmd(path, args=[str(tmp_path)], timeout=T)
+    assert [(tmp_path / r).read_text() for r in "01"] == ["22", "22"]
 
 
 def test_module_form_runs_like_python_dash_m(procs: ProcMesh, tmp_path: Path) -> None:
@@ -183,6 +204,21 @@ def test_setup_torch_elastic_env_lets_actors_join_a_group(procs: ProcMesh, probe
     assert {s["env"]["MASTER_ADDR"] for s in state} == {"127.0.0.1"}
     trainers = procs.spawn("trainers", Trainer)
     assert trainers.all_reduce.call(1.5).get(timeout=T).values() == [1.5 * (1 + 2 + 3 + 4)] * 4
+
+
+def test_async_setup_with_a_given_master(procs: ProcMesh, probes) -> None:
+    asyncio.run(setup_torch_elastic_env_async(procs, "10.1.2.3", 4321))
+    state = probes.state.call().get(timeout=T).values()
+    assert {(s["env"]["MASTER_ADDR"], s["env"]["MASTER_PORT"]) for s in state} == {("10.1.2.3", "4321")}
+
+
+def test_run_command_runs_a_child_process_with_env(procs: ProcMesh) -> None:
+    actors = procs.slice(tp=0).spawn("commands", SPMDActor)
+    check = "import os, sys; sys.exit(0 if os.environ['SPMD_FLAG'] == 'on' else 5)"
+    assert actors.run_command.call(sys.executable, ["-c", check], {"SPMD_FLAG": "on"}).get(timeout=T).values() == [
+        True, True]
+    with pytest.raises(ActorError, match="exited with status 5 on rank 0"):
+        actors.run_command.call(sys.executable, ["-c", check], {"SPMD_FLAG": "off"}).get(timeout=T)
 
 
 def test_topology_by_hosts_or_by_the_last_dim() -> None:
