@@ -215,8 +215,14 @@ def _spawn(proc_mesh: Any) -> Any:
     return proc_mesh.spawn(f"_SPMDActor_{next(_ids)}", SPMDActor, list(proc_mesh.hostnames))
 
 
+def _points(view: Any) -> list[Any]:
+    """One single-actor view per point of `view`, in row-major order (any slice, strided or not)."""
+    labels, sizes = view.extent.labels, view.extent.sizes
+    return [view.slice(**dict(zip(labels, c, strict=True))) for c in itertools.product(*map(range, sizes))]
+
+
 def _rank_zero(actors: Any) -> Any:
-    return actors.flatten("rank").slice(rank=0)
+    return actors.slice(**dict.fromkeys(actors.extent.labels, 0))
 
 
 def _master(actors: Any, hosts: list[str], use_ipaddr: Any) -> tuple[str, int]:
@@ -264,8 +270,7 @@ def run_spmd(proc_mesh: Any, script: str, args: Sequence[str] = (), *, timeout: 
     master_addr, master_port = _master(actors, proc_mesh.hostnames, use_ipaddr)
     argv = [script, *args]
     run_id = uuid.uuid4().hex
-    flat = actors.flatten("rank")
-    futures = [flat.slice(rank=r).main.call_one(master_addr, master_port, argv, run_id) for r in range(len(flat))]
+    futures = [one.main.call_one(master_addr, master_port, argv, run_id) for one in _points(actors)]
     _wait(futures, " ".join(argv), timeout)
 
 

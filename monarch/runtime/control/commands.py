@@ -3,7 +3,7 @@
 Controller -> worker: SpawnActor, Call, RunProgram, Stop, Supervise, Heartbeat. Worker -> controller:
 Hello, Reply, Forward, Busy, and empty frames as heartbeats. Monitor -> controller: ProcExit. Payloads a user
 supplies (classes, arguments, return values) stay opaque bytes so that one bad payload fails one call,
-never the connection.
+never the connection. A rank paused in pdb sends DebugPaused and DebugResumed, and reads DebugInput.
 """
 from __future__ import annotations
 

@@ -85,6 +85,12 @@ class Breakpoints:
                 rec.seen += 1
             self.changed.notify_all()
 
+    def take_output(self, rec: PausedRank) -> str:
+        """What `rec` printed that no console has shown yet."""
+        with self.changed:
+            out, rec.output = rec.output, ""
+            return out
+
     def ranks(self) -> list[PausedRank]:
         """The paused ranks of live meshes, by mesh, actor and rank (those of stopped meshes are dropped)."""
         with self.changed:

@@ -150,10 +150,11 @@ class DebugConsole:
         if len(found) != 1:
             which = f"{actor} {args[-1]}" if actor else f"rank {args[-1]}"
             raise DebugError(f"no paused rank {which}; `list` shows them" if not found else
-                             f"rank {args[-1]} is paused in {len(found)} actors ({', '.join(r.actor for r in found)}): "
-                             "name one, `attach <actor_name> <rank>`")
+                             f"rank {args[-1]} is paused in {len(found)} actors "
+                             f"({', '.join(f'{r.actor} of mesh {r.mesh.name!r}' for r in found)}): name the actor, "
+                             "`attach <actor_name> <rank>`")
         self.attached = rec = found[0]
-        shown, rec.output = rec.output, ""  # what it printed since its last line, shown once
+        shown = self.breakpoints.take_output(rec)  # what it printed since its last line, shown once
         note = f"<last pdb output for {rec.actor} {rec.rank} follows>\n" if shown else ""
         return f"Attached to debug session for {rec.actor} {rec.rank} ({rec.host})\n{note}{shown}"
 
@@ -163,9 +164,9 @@ class DebugConsole:
         if line.strip() == "detach":
             return self._detach("")
         if rec.ended:
-            return self._detach(rec.output)
+            return self._detach(self.breakpoints.take_output(rec))
         late = self.breakpoints.send([rec], line, self.wait_s)
-        out, rec.output = rec.output, ""
+        out = self.breakpoints.take_output(rec)
         if late:
             return self._detach(out + f"(rank {rec.rank} is still running {line!r} after {self.wait_s} s; `list` "
                                       "shows it when it pauses again)\n")
@@ -195,7 +196,7 @@ class DebugConsole:
         late = self.breakpoints.send(recs, line, self.wait_s, resume)
         parts = []
         for rec in recs:
-            out, rec.output = rec.output, ""
+            out = self.breakpoints.take_output(rec)
             tail = " still running" if rec in late else (" continued" if rec.ended else "")
             parts.append(f"[{rec.actor} {rec.rank}{tail}]\n{out}" + ("" if not out or out.endswith("\n") else "\n"))
         return "".join(parts)

@@ -2,15 +2,18 @@
 `monarch_dbg>` console (debug_controller(), `monarch debug`) lists, attaches, casts and continues."""
 from __future__ import annotations
 
+import inspect
 import os
 import pdb
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from monarch.actor import Actor, ActorError, ActorMesh, ProcMesh, current_rank, debug_controller, endpoint, this_host
+from monarch.actor import (Actor, ActorError, ActorMesh, ProcMesh, SupervisionError, current_rank, debug_controller,
+                           endpoint, this_host)
 
 T = 30  # seconds: generous bound for every wait
 
@@ -26,6 +29,20 @@ class Debugee(Actor):
         return z
 
     @endpoint
+    def short(self, a: int) -> int:
+        breakpoint()  # noqa: T100
+        b = a + 1
+        return b
+
+    @endpoint
+    def loop(self, n: int) -> int:
+        total = 0
+        breakpoint()  # noqa: T100
+        for i in range(n):
+            total += i  # the test sets a breakpoint here
+        return total
+
+    @endpoint
     def ping(self) -> int:
         return current_rank()["dp"]
 
@@ -38,11 +55,15 @@ class Traced(Actor):
         return w + "!"
 
 
-def _pause_line() -> int:
-    """The line a rank pauses at: the one after breakpoint() in to_debug."""
-    import inspect
+def _line_of(text: str) -> int:
+    """The line of Debugee's source that holds `text` first."""
     lines, start = inspect.getsourcelines(Debugee)
-    return start + next(i for i, text in enumerate(lines) if "breakpoint()" in text) + 1
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def _pause_line() -> int:
+    """The line a rank pauses at in to_debug: the one after its breakpoint()."""
+    return _line_of("breakpoint()") + 1
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +136,59 @@ def test_pdb_set_trace_in_an_async_endpoint_and_quit(procs: ProcMesh) -> None:
     with pytest.raises(ActorError, match="BdbQuit"):
         fut.get(timeout=T)
     assert dc.list() == []
+
+
+def test_stepping_off_the_end_of_the_endpoint_ends_the_session(debugee: ActorMesh) -> None:
+    rank0 = debugee.slice(dp=0)
+    dc = debug_controller()
+    fut = rank0.short.call_one(1)
+    dc.wait_pending_session(1, timeout=T)
+    assert "-> b = a + 1" in dc.run("attach debugee 0", timeout=T)
+    assert "-> return b" in dc.run("n", timeout=T)
+    assert "--Return--" in dc.run("n", timeout=T)
+    assert dc.run("n", timeout=T).endswith("Detached from debug session for debugee 0 (%s)\n" % os.uname().nodename)
+    assert fut.get(timeout=T) == 2
+    assert rank0.ping.call_one().get(timeout=T) == 0  # the next call runs: pdb does not step into it
+    assert dc.list() == []
+
+
+def test_a_breakpoint_set_in_pdb_stops_again_and_continue_clears_it(debugee: ActorMesh) -> None:
+    rank1 = debugee.slice(dp=1)
+    dc = debug_controller()
+    fut = rank1.loop.call_one(4)
+    dc.wait_pending_session(1, timeout=T)
+    dc.run("attach debugee 1", timeout=T)
+    inner = _line_of("total += i")
+    assert "Breakpoint 1 at " in dc.run(f"b {inner}", timeout=T)
+    assert f"({inner})loop()" in dc.run("c", timeout=T)  # still attached: it stopped at the new breakpoint
+    assert dc.run("p i, total", timeout=T) == "(0, 0)\n(Pdb) "
+    assert f"({inner})loop()" in dc.run("c", timeout=T)
+    assert dc.run("p i", timeout=T) == "1\n(Pdb) "
+    assert [r.lineno for r in dc.list()] == [inner]
+    dc.run("detach", timeout=T)
+    dc.run("continue", timeout=T)  # clears the breakpoint: the loop runs to its end
+    assert fut.get(timeout=T) == 6
+    assert dc.list() == []
+
+
+def test_a_paused_rank_keeps_beating_and_stopping_its_mesh_does_not_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MONARCH_HEARTBEAT_TIMEOUT", "1")
+    dc = debug_controller()
+    with this_host().spawn_procs(per_host={"dp": 1}, name="stopped") as procs:
+        fut = procs.spawn("debugee", Debugee).to_debug.call_one(1)
+        dc.wait_pending_session(1, timeout=T)
+        time.sleep(2.0)  # twice the heartbeat timeout: a paused rank is not a silent one
+        assert procs.running and [r.mesh for r in dc.list()] == ["stopped"]
+        start = time.monotonic()
+    assert time.monotonic() - start < 5  # the paused rank read EOF, quit pdb and stopped like the others
+    with pytest.raises((ActorError, SupervisionError)):  # BdbQuit, or the stop that failed it first
+        fut.get(timeout=T)
+    assert dc.list() == []
+
+
+def test_pythonbreakpoint_0_turns_breakpoints_off() -> None:
+    with this_host().spawn_procs(per_host={"dp": 1}, name="nobreak", env={"PYTHONBREAKPOINT": "0"}) as procs:
+        assert procs.spawn("debugee", Debugee).to_debug.call_one(1).get(timeout=T) == 12
 
 
 def _monarch_debug(stdin: str) -> subprocess.CompletedProcess[str]:
