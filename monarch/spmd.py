@@ -265,7 +265,8 @@ def run_spmd(proc_mesh: Any, script: str, args: Sequence[str] = (), *, timeout: 
              use_ipaddr: Any = None) -> None:
     """Run the torchrun-style `script` (or `"-m", module`) with `args` on every proc of the mesh, inside the
     worker processes: prints come back like any worker output; the first failing rank's exception (or a
-    nonzero exit) is raised as `ActorError`. `timeout` bounds the whole run (None: no bound)."""
+    nonzero exit) is raised as `ActorError`. `timeout` bounds the script's run (None: no bound); the setup
+    before it (rank 0's free port) has its own bound, SETUP_TIMEOUT_S."""
     actors = _spawn(proc_mesh)
     master_addr, master_port = _master(actors, proc_mesh.hostnames, use_ipaddr)
     argv = [script, *args]
