@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from processes import owned_processes
 
-from monarch.actor import ProcMesh, this_host
+from monarch.actor import MeshFailure, ProcMesh, this_host
 from monarch.runtime.control.controller import controller
 
 
@@ -62,6 +62,30 @@ def no_orphans() -> Iterator[None]:
     yield
     left = leftovers(os.getpid(), _open_mesh_pids())
     assert not left, f"processes left behind by this test: {left}"
+
+
+FAULTS: list[MeshFailure] = []  # supervision events that reached the client in this test session
+
+
+def _record_fault(failure: MeshFailure) -> None:
+    """The test suite's unhandled_fault_hook: record the event and keep the client (pytest) running.
+    Monarch's default (exit the client with status 1) is tested in a subprocess."""
+    FAULTS.append(failure)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def recorded_faults() -> Iterator[list[MeshFailure]]:
+    import monarch.actor
+    default, monarch.actor.unhandled_fault_hook = monarch.actor.unhandled_fault_hook, _record_fault
+    yield FAULTS
+    monarch.actor.unhandled_fault_hook = default
+
+
+@pytest.fixture
+def faults() -> list[MeshFailure]:
+    """The supervision events that reach the client during this test (cleared first)."""
+    FAULTS.clear()
+    return FAULTS
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from monarch.errors import MeshError
+from monarch.errors import MeshError, MonarchError
+from monarch.runtime.actors.endpoint import INITIALIZED, STOP
 from monarch.runtime.control import codec
 from monarch.runtime.control.client import client
-from monarch.runtime.control.commands import CONTROLLER, Call
+from monarch.runtime.control.commands import CONTROLLER, Call, PortRef
 from monarch.runtime.control.futures import CallState, Future, ValueMesh, mesh_result, one_result, stream_futures
 from monarch.shape import MeshView, Shape
 
+A = TypeVar("A")  # the actor class of an ActorMesh
+R = TypeVar("R")
 
-class ActorMesh(MeshView):
-    """Actors `name` of class `cls_name`, one per point of `shape` (a view of proc mesh `mesh_id`)."""
+
+class ActorMesh(MeshView, Generic[A]):
+    """Actors `name` of class `cls_name`, one per point of `shape` (a view of proc mesh `mesh_id`).
+    `ActorMesh[Counter]` names the mesh of a class, as in Monarch. An endpoint named like a method of the
+    mesh (`stop`, `slice`, ...) is the endpoint, as in Monarch."""
 
     def __init__(self, mesh_id: int, name: str, cls_name: str, endpoints: frozenset[str], shape: Shape) -> None:
         self._mesh_id = mesh_id
@@ -27,8 +33,10 @@ class ActorMesh(MeshView):
         self._cls_name = cls_name
         self._endpoints = endpoints
         self._shape = shape
+        for attr in endpoints & _METHODS:
+            setattr(self, attr, EndpointRef(self, attr))
 
-    def _with_shape(self, shape: Shape) -> ActorMesh:
+    def _with_shape(self, shape: Shape) -> ActorMesh[A]:
         return ActorMesh(self._mesh_id, self._name, self._cls_name, self._endpoints, shape)
 
     def __getattr__(self, attr: str) -> EndpointRef:
@@ -42,6 +50,42 @@ class ActorMesh(MeshView):
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} of {self._cls_name} {self.extent}>"
+
+    @property
+    def initialized(self) -> Future[None]:
+        """Done (None) once every actor of this view ran its __init__; raises the error of one that failed."""
+        return self._lifecycle(INITIALIZED, "initialized")
+
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """Stop the actors of this view (after the calls they already got); later calls to them raise
+        SupervisionError. Idempotent; the Future is done once every actor stopped."""
+        return self._lifecycle(STOP, f"stop ({reason})")
+
+    def _lifecycle(self, endpoint: str, what: str) -> Future[None]:
+        c = client()
+        state = CallState(self._shape, f"{self._name}.{what}", (self._mesh_id, self._name))
+        call = Call(c.next_call_id(), CONTROLLER, self._name, endpoint, codec.dumps(((), {})), True)
+        try:
+            c.send(self._mesh_id, self._shape, call, state)
+        except MonarchError as e:  # its proc mesh is gone: so are the actors
+            state.fail_missing(e)
+            if endpoint == STOP:
+                return resolved(None)
+        return Future(state, c, _none)
+
+
+def _none(state: CallState) -> None:
+    mesh_result(state)  # raises the error of the lowest failing rank
+
+
+def resolved(value: R) -> Future[R]:
+    """A Future that is done already, holding `value`."""
+    state = CallState(_SINGLETON, "a finished operation")
+    state.deliver(0, True, value)
+    return Future(state, client(), one_result)
+
+
+_SINGLETON = Shape.row_major((), ())
 
 
 class EndpointRef:
@@ -80,11 +124,15 @@ class EndpointRef:
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Call one actor of the view, picked at random."""
-        shape = self._mesh._shape
-        point = shape.point(random.randrange(len(shape)))
-        single = shape.slice(**dict(zip(shape.labels, point.coords, strict=True)))
-        state, c = self._send(single, args, kwargs, True)
+        state, c = self._send(_one_of(self._mesh._shape), args, kwargs, True)
         return Future(state, c, one_result)  # type: ignore[arg-type]
+
+    def _send_to(self, args: tuple, kwargs: dict, port: PortRef | None, choose: bool) -> None:
+        """Call without waiting; each actor's answer goes to `port` (ports.send)."""
+        c = client()
+        call = Call(c.next_call_id(), CONTROLLER, self._mesh._name, self._name, codec.dumps((args, kwargs)), False,
+                    port=port)
+        c.send(self._mesh._mesh_id, _one_of(self._mesh._shape) if choose else self._mesh._shape, call, None)
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Send to every actor of the view without waiting; failures are printed by the failing rank."""
@@ -94,3 +142,12 @@ class EndpointRef:
         """Call every actor; yield one finished Future per actor, in the order they answer."""
         state, c = self._send(self._mesh._shape, args, kwargs, True)
         return stream_futures(state, c)  # type: ignore[arg-type]
+
+
+_METHODS = frozenset(n for n in dir(ActorMesh) if not n.startswith("_") and callable(getattr(ActorMesh, n)))
+
+
+def _one_of(shape: Shape) -> Shape:
+    """A view of one point of `shape`, picked at random."""
+    point = shape.point(random.randrange(len(shape)))
+    return shape.slice(**dict(zip(shape.labels, point.coords, strict=True)))

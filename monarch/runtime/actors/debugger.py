@@ -12,6 +12,7 @@ import inspect
 import pdb
 import socket
 import sys
+import threading
 from types import FrameType
 from typing import Any, Protocol
 
@@ -156,6 +157,11 @@ def _endpoint_of(frame: FrameType) -> str:
 def pause(frame: FrameType | None, header: str | None = None) -> None:
     """Stop the rank in pdb at `frame` (the caller's when None), relayed to the controller."""
     frame = frame or sys._getframe(1)
+    if threading.current_thread() is not threading.main_thread():
+        print(f"monarch: skipped a breakpoint in thread {threading.current_thread().name!r} at "
+              f"{frame.f_code.co_filename}:{frame.f_lineno}: only the worker's own thread (its actors' endpoints) "
+              "can pause in pdb", file=sys.stderr, flush=True)
+        return
     actor, endpoint, coords, bottom = _calling_actor(frame)
     if _active and not _active[0].ended:
         if _active[0].bottom is bottom and _active[0].pdb is not None:

@@ -13,15 +13,26 @@ from typing import Any
 
 from monarch import config
 from monarch.errors import MeshError, SpawnError
-from monarch.runtime.actors.proc_mesh import ProcMesh
+from monarch.runtime.actors import requests
+from monarch.runtime.actors.actor_mesh import resolved
+from monarch.runtime.actors.proc_mesh import ProcMesh, ask
 from monarch.runtime.control import launch
-from monarch.runtime.control.controller import controller
+from monarch.runtime.control.client import client
+from monarch.runtime.control.commands import SpawnProcs
+from monarch.runtime.control.controller import Controller
+from monarch.runtime.control.futures import Future
 from monarch.shape import MeshView, Shape
+
+SPAWN_SLACK_S = 10.0  # beyond MONARCH_SPAWN_TIMEOUT, what an actor waits for the controller to start its mesh
+STOP_TIMEOUT_S = 30.0  # what shutdown() waits for each proc mesh an actor asked the controller to stop
 
 
 class HostMesh(MeshView):
     """Hosts that can run workers. `this_host()` is one host whose dim is dropped from proc meshes;
-    `HostMesh(["node1", "node2"])` starts ranks over ssh (MONARCH_SSH); `from_slurm()` with srun."""
+    `HostMesh(["node1", "node2"])` starts ranks over ssh (MONARCH_SSH); `from_slurm()` with srun.
+
+    A HostMesh pickles as a reference (its hosts and the controller's key for its launcher): inside an
+    actor, `spawn_procs` asks the controller to start the job, and the asking actor owns it."""
 
     def __init__(self, hosts: list[str], launcher: launch.Launcher | None = None) -> None:
         if not hosts:
@@ -30,9 +41,34 @@ class HostMesh(MeshView):
             raise MeshError(f"a HostMesh names each host once; got {hosts}")
         self._hosts = list(hosts)
         self._shape = Shape.row_major(("hosts",), (len(hosts),))
-        self._launcher = launcher or _default_launcher(self._hosts)
+        self._launcher: launch.Launcher | None = launcher or _default_launcher(self._hosts)
+        self._local = self._launcher.local
+        self._key: int | None = None  # the launcher's key in the controller (requests.keep_launcher)
         self._procs: weakref.WeakSet[ProcMesh] = weakref.WeakSet()
         self._workspaces: list[tuple[Path, bool]] = []
+
+    @classmethod
+    def _reference(cls, hosts: list[str], key: int, local: bool) -> HostMesh:
+        """A HostMesh unpickled: the launcher is the controller's (here only in the controller's process)."""
+        mesh = cls.__new__(cls)
+        mesh._hosts, mesh._shape = list(hosts), Shape.row_major(("hosts",), (len(hosts),))
+        c = client()
+        mesh._launcher = requests.launcher_of(key) if isinstance(c, Controller) else None
+        mesh._local, mesh._key = local, key
+        mesh._procs, mesh._workspaces = weakref.WeakSet(), []
+        return mesh
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HostMesh._reference, (self._hosts, self._launcher_key(), self._local))
+
+    def _launcher_key(self) -> int:
+        if self._key is None:
+            assert self._launcher is not None
+            if type(self._launcher) is not launch.LocalLauncher and not isinstance(client(), Controller):
+                raise MeshError(f"a HostMesh over {self._hosts} can be made on the controller only; inside an actor "
+                                "use this_host(), or a HostMesh the client passed to the actor")
+            self._key = requests.keep_launcher(self._launcher)
+        return self._key
 
     @classmethod
     def from_slurm(cls) -> HostMesh:
@@ -48,6 +84,9 @@ class HostMesh(MeshView):
 
     def _with_shape(self, shape: Shape) -> HostMesh:
         hosts = [self._hosts[r] for r in shape.ranks()]
+        if self._launcher is None:
+            raise MeshError(f"slicing a HostMesh reference inside an actor is not supported ({self._hosts}); "
+                            "slice it on the client and pass the slice")
         return HostMesh(hosts, self._launcher.subset(hosts))
 
     def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str = "procs",
@@ -57,21 +96,29 @@ class HostMesh(MeshView):
         `env` adds environment variables for the workers. `host` is the address the controller's control
         socket binds to for this mesh (default MONARCH_HOST; else loopback for this host alone, and this
         host's address on the route to the first host otherwise); workers are told MONARCH_ADVERTISE, or
-        that address (the route's when `host` is a wildcard such as 0.0.0.0).
+        that address (the route's when `host` is a wildcard such as 0.0.0.0). Inside an actor the
+        controller starts it, and that actor owns it (stopping the actor's mesh stops it too).
         """
-        per_host = dict(per_host or {"gpus": 1})
-        if "hosts" in per_host:
-            raise MeshError("per_host may not name a dim 'hosts'; that dim is the host mesh's own")
-        labels, sizes = tuple(per_host), tuple(int(n) for n in per_host.values())
-        if len(self._hosts) > 1:
-            labels, sizes = ("hosts", *labels), (len(self._hosts), *sizes)
-        shape = Shape.row_major(labels, sizes)
-        _check_local_size(shape, self._launcher)
-        procs = ProcMesh(controller().spawn(name, shape, self._launcher, env, host), shape)
+        shape = self._procs_shape(dict(per_host or {"gpus": 1}))
+        _check_local_size(shape, self._local)
+        op = SpawnProcs(name, shape, self._launcher_key(), tuple(env.items()) if env is not None else None, host)
+        info = ask(op).get(config.spawn_timeout() + SPAWN_SLACK_S)
+        procs = ProcMesh(info)
         self._procs.add(procs)
         for path, reload in self._workspaces:
             procs.sync_workspace(path, reload=reload)
         return procs
+
+    def _procs_shape(self, per_host: dict[str, int]) -> Shape:
+        """The proc mesh's shape: the per_host dims, after a leading `hosts` dim when there is more than one
+        host (a per_host dim of that name then clashes with it)."""
+        labels, sizes = tuple(per_host), tuple(int(n) for n in per_host.values())
+        if len(self._hosts) > 1:
+            if "hosts" in per_host:
+                raise MeshError(f"per_host {per_host} names a dim 'hosts', which this mesh of {len(self._hosts)} "
+                                "hosts adds itself as the leading dim; rename that per_host dim (e.g. 'procs')")
+            labels, sizes = ("hosts", *labels), (len(self._hosts), *sizes)
+        return Shape.row_major(labels, sizes)
 
     def sync_workspace(self, path: str | os.PathLike[str], *, reload: bool = True) -> list[Any]:
         """Copy directory `path` to every host of this mesh, first on the workers' `sys.path`, reloading
@@ -81,12 +128,15 @@ class HostMesh(MeshView):
         self._workspaces = [w for w in self._workspaces if w[0] != root] + [(root, reload)]
         return [p.sync_workspace(root, reload=reload) for p in list(self._procs) if p.running]
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> Future[None]:
         """Stop every proc mesh spawned from this host mesh and give its hosts back (attach-mode agents go
-        back to waiting for a controller). On a slice: the proc meshes spawned from it, and its hosts."""
-        for procs in list(self._procs):
-            procs.stop()
-        self._launcher.release()
+        back to waiting for a controller). On a slice: the proc meshes spawned from it, and its hosts.
+        Returns a Future, done once they stopped (`await` it or `.get()`); idempotent."""
+        for stopping in [procs.stop() for procs in list(self._procs)]:
+            stopping.get(STOP_TIMEOUT_S)
+        if self._launcher is not None and isinstance(client(), Controller):
+            self._launcher.release()
+        return resolved(None)
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._hosts}>"
@@ -99,10 +149,10 @@ def _default_launcher(hosts: list[str]) -> launch.Launcher:
     return SshLauncher(hosts)
 
 
-def _check_local_size(shape: Shape, launcher: launch.Launcher) -> None:
+def _check_local_size(shape: Shape, local: bool) -> None:
     """Refuse a mesh on this host alone with more processes than MONARCH_MAX_LOCAL_PROCS, before mpiexec."""
     limit = config.max_local_procs()
-    if launcher.local and len(shape) > limit:
+    if local and len(shape) > limit:
         raise SpawnError(f"a mesh of {len(shape)} worker processes ({shape.extent}) on this host is over the "
                          f"limit of {limit} (MONARCH_MAX_LOCAL_PROCS, default 16 per core; this host has "
                          f"{os.cpu_count()} cores): spawn fewer processes, or raise MONARCH_MAX_LOCAL_PROCS")

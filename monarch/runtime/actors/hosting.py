@@ -1,50 +1,70 @@
-"""Actor hosting on a worker: construct actors, run their endpoints, turn outcomes into replies.
+"""Actor hosting on a worker: construct actors, run their endpoints, turn outcomes into replies and faults.
 
-Each hosted actor runs one message at a time, in arrival order; `async def` endpoints run to
-completion on the worker's event loop before the next message. Exceptions become `ActorError`s that
-carry the rank, the endpoint and the traceback; the actor keeps serving.
+`HostedActor.call` runs a sync endpoint at once and returns its `Outcome`; for an async endpoint it
+returns a coroutine that the worker runs as a task on its event loop (the actor takes no other message
+meanwhile unless the endpoint is a `@concurrent_endpoint`). Supervision follows Monarch: an exception
+with a caller waiting goes to the caller as `ActorError` and the actor lives; an `__init__` that raises,
+an exception in a broadcast (nobody to tell), one escaping an explicit-response-port endpoint, and any
+BaseException stop the actor and make a fault (a supervision event for its owner).
 """
 from __future__ import annotations
 
 import asyncio
-import sys
 import traceback
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
-from monarch.errors import ActorError
-from monarch.runtime.actors.endpoint import Endpoint, endpoints_of
+from monarch.errors import ActorError, MonarchError, SupervisionError
+from monarch.runtime.actors.context import Context, CreatorInstance, Instance, running
+from monarch.runtime.actors.endpoint import INITIALIZED, STOP, SUPERVISE, Endpoint, endpoints_of
+from monarch.runtime.actors.ports import DROP, Port, reply_port
 from monarch.runtime.control import codec
 from monarch.runtime.control.client import running_as
-from monarch.runtime.control.commands import MeshFailure, SpawnActor
-
-_loop: asyncio.AbstractEventLoop | None = None
+from monarch.runtime.control.commands import Call, MeshFailure, SpawnActor
 
 
-def _run_coroutine(coro: Any) -> Any:
-    global _loop
-    if _loop is None:
-        _loop = asyncio.new_event_loop()
-    return _loop.run_until_complete(coro)
+@dataclass(frozen=True)
+class Outcome:
+    """What one call came to: the pickled answer (None: the endpoint answers through its port), and
+    `fault` (a status) when the actor failed and stopped."""
+    ok: bool
+    value: bytes | None
+    fault: str = ""
+    detail: str = ""
 
 
 class HostedActor:
-    """One actor instance on this worker, or the error its construction raised."""
+    """One actor instance on this worker, or the error its construction raised (then it is stopped)."""
 
-    def __init__(self, msg: SpawnActor, rank: int) -> None:
+    def __init__(self, msg: SpawnActor, rank: int, mesh_id: int) -> None:
         self.name = msg.name
         self.rank = rank
+        self.mesh_id = mesh_id
         self.point = msg.shape.point(msg.shape.ranks().index(rank))
         self.instance: Any = None
         self.endpoints: dict[str, Endpoint] = {}
-        self.init_error: ActorError | None = None
+        self.stopped: MonarchError | None = None
+        self.fault: Outcome | None = None  # the failure of __init__, reported once spawned
+        self.info = Instance(self.point, msg.name, None, f"{msg.name}[{rank}]")
         try:
             cls = codec.loads(msg.cls)
+            self.info.class_name = f"{cls.__module__}.{cls.__qualname__}"
+            extra = codec.loads(msg.context) if msg.context else {}
+            self.info.creator = extra.get("creator")
+            self.info.proc_mesh = extra.get("proc_mesh")
             args, kwargs = codec.loads(msg.args)
             self.endpoints = endpoints_of(cls)
-            with running_as(self.point):
+            with self._running(self.point):
                 self.instance = cls(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - reported on the first call
-            self.init_error = self._error(e, "__init__")
+        except BaseException as e:  # noqa: BLE001 - the actor stops; its owner is told
+            self.fault = self._fail(e, "__init__", True)
+
+    @contextmanager
+    def _running(self, message_rank: Any) -> Iterator[None]:
+        with running(Context(self.info, message_rank)), running_as(self.point):
+            yield
 
     def _error(self, e: BaseException, what: str) -> ActorError:
         tb = "".join(traceback.format_exception(e))
@@ -54,31 +74,108 @@ class HostedActor:
                           rank=self.rank, coords=where, what=f"{self.name}.{what}", remote_traceback=tb,
                           exc_type=type(e).__name__)
 
-    def run(self, endpoint: str, args: bytes) -> tuple[bool, bytes]:
-        """Run one endpoint call; the pickled result or pickled ActorError."""
-        if self.init_error is not None:
-            return False, codec.dumps(self.init_error)
-        try:
-            ep = self.endpoints.get(endpoint)
-            if ep is None:
-                raise AttributeError(f"{type(self.instance).__name__} has no endpoint {endpoint!r}")
-            a, kw = codec.loads(args)
-            with running_as(self.point):
-                out = ep.fn(self.instance, *a, **kw)
-                if ep.is_async:
-                    out = _run_coroutine(out)
-            return True, codec.dumps(out)
-        except BaseException as e:  # noqa: BLE001 - the caller gets it
-            return False, codec.dumps(self._error(e, endpoint))
+    def _fail(self, e: BaseException, what: str, fatal: bool) -> Outcome:
+        err = self._error(e, what)
+        if not fatal:
+            return Outcome(False, codec.dumps(err))
+        self.stopped = ActorError(f"actor {self.name!r} on rank {self.rank} is stopped: it failed in {what}: "
+                                  f"{type(e).__name__}: {e}; spawn it again", rank=self.rank, coords=err.coords,
+                                  what=err.what, remote_traceback=err.remote_traceback, exc_type=err.exc_type)
+        return Outcome(False, codec.dumps(err), f"failed in {what}: {type(e).__name__}: {e}", str(err))
 
-    def supervise(self, failure: MeshFailure) -> None:
-        hook = getattr(self.instance, "__supervise__", None)
-        if hook is None:
-            return
+    def as_creator(self) -> CreatorInstance:
+        return self.info.as_creator()
+
+    # -- calls -----------------------------------------------------------------------------------
+    def call(self, msg: Call) -> Outcome | Coroutine[Any, Any, Outcome]:
+        """Run one call: a sync endpoint now, an async one as the returned coroutine."""
+        if msg.endpoint in (INITIALIZED, STOP):
+            return self._lifecycle(msg.endpoint)
+        if self.stopped is not None:
+            return Outcome(False, codec.dumps(self.stopped))
+        ep = self.endpoints.get(msg.endpoint)
         try:
-            with running_as(self.point):
+            if ep is None:
+                raise AttributeError(f"{type(self.instance).__name__} has no endpoint {msg.endpoint!r}")
+            a, kw = codec.loads(msg.args)
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            return Outcome(False, codec.dumps(self._error(e, msg.endpoint)))
+        if ep.explicit_response_port:
+            a = (self._port(msg), *a)
+        rank = self._message_rank(msg)
+        if ep.is_async:
+            return self._run_async(ep, msg, a, kw, rank)
+        try:
+            with self._running(rank):
+                out = ep.fn(self.instance, *a, **kw)
+        except BaseException as e:  # noqa: BLE001 - the caller or the owner gets it
+            return self._failed(e, ep, msg)
+        return self._answer(ep, out)
+
+    def _lifecycle(self, endpoint: str) -> Outcome:
+        """ActorMesh.initialized (None once __init__ ran; why it failed) and ActorMesh.stop (later calls fail)."""
+        if endpoint == STOP and self.stopped is None:
+            self.stopped = SupervisionError(f"actor {self.name!r} on rank {self.rank} was stopped (ActorMesh.stop()); "
+                                            "spawn a new actor mesh to call it again", rank=self.rank)
+            self.instance = None
+        if endpoint == INITIALIZED and self.stopped is not None:
+            return Outcome(False, codec.dumps(self.stopped))
+        return Outcome(True, codec.dumps(None))
+
+    async def _run_async(self, ep: Endpoint, msg: Call, a: tuple, kw: dict, rank: Any) -> Outcome:
+        try:
+            with self._running(rank):
+                out = await ep.fn(self.instance, *a, **kw)
+        except BaseException as e:  # noqa: BLE001 - the caller or the owner gets it
+            return self._failed(e, ep, msg)
+        return self._answer(ep, out)
+
+    def _failed(self, e: BaseException, ep: Endpoint, msg: Call) -> Outcome:
+        nobody = not msg.want_reply and msg.port is None
+        return self._fail(e, ep.name, not isinstance(e, Exception) or nobody or ep.explicit_response_port)
+
+    def _answer(self, ep: Endpoint, out: Any) -> Outcome:
+        if ep.explicit_response_port:
+            return Outcome(True, None)
+        try:
+            return Outcome(True, codec.dumps(out))
+        except Exception as e:  # noqa: BLE001 - an unpicklable result fails this call only
+            return Outcome(False, codec.dumps(self._error(e, f"{ep.name} (pickling its result)")))
+
+    def _port(self, msg: Call) -> Port[Any]:
+        if msg.port is not None:
+            return Port(msg.port if msg.port.rank is not None else replace(msg.port, rank=self.rank))
+        if msg.want_reply:
+            return reply_port(self.mesh_id, msg.reply_to, msg.call_id, self.rank)
+        return Port(DROP)
+
+    def _message_rank(self, msg: Call) -> Any:
+        view = msg.view
+        if view is None or self.rank not in view.ranks():
+            return self.point
+        return view.point(view.ranks().index(self.rank))
+
+    # -- supervision -----------------------------------------------------------------------------
+    def supervise(self, failure: MeshFailure) -> bool | Coroutine[Any, Any, bool]:
+        """Give `failure` to this actor's __supervise__: whether it handled it (a truthy result), or a
+        coroutine saying so for an async hook. A hook that raises fails this actor too (returns False)."""
+        hook = getattr(self.instance, SUPERVISE, None) if self.stopped is None else None
+        if hook is None:
+            return False
+        try:
+            with self._running(self.point):
                 out = hook(failure)
-                if asyncio.iscoroutine(out):
-                    _run_coroutine(out)
-        except BaseException as e:  # noqa: BLE001 - a broken hook must not kill the worker
-            print(self._error(e, "__supervise__"), file=sys.stderr)
+        except BaseException as e:  # noqa: BLE001 - this actor fails as well
+            self.fault = self._fail(e, SUPERVISE, True)
+            return False
+        if asyncio.iscoroutine(out):
+            return self._await_hook(out)
+        return bool(out)
+
+    async def _await_hook(self, out: Any) -> bool:
+        try:
+            with self._running(self.point):
+                return bool(await out)
+        except BaseException as e:  # noqa: BLE001
+            self.fault = self._fail(e, SUPERVISE, True)
+            return False

@@ -9,22 +9,28 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
+from functools import partial
+from typing import Any, Literal, TypeVar
 
-from monarch.errors import MeshError, SupervisionError
-from monarch.runtime.actors.actor_mesh import ActorMesh
+from monarch.errors import MeshError
+from monarch.runtime.actors import supervision  # noqa: F401 - the client's supervision and port routing
+from monarch.runtime.actors import requests
+from monarch.runtime.actors.actor_mesh import ActorMesh, resolved
 from monarch.runtime.actors.endpoint import endpoints_of
 from monarch.runtime.actors.log_options import Applied, logging_option
 from monarch.runtime.control import codec
-from monarch.runtime.control.client import tensor_api
-from monarch.runtime.control.commands import SpawnActor
+from monarch.runtime.control.client import client, tensor_api
+from monarch.runtime.control.commands import ProcsInfo, SpawnActor, SpawnActors, StopProcs
 from monarch.runtime.control.conn import Mesh
-from monarch.runtime.control.controller import controller
-from monarch.runtime.telemetry.events import RECORDER, now_us
+from monarch.runtime.control.controller import Controller, controller
+from monarch.runtime.control.futures import CallState, Future, one_result
 from monarch.runtime.telemetry.store import STORE, Rows
 from monarch.shape import MeshView, Shape
 
 log = logging.getLogger("monarch")
+A = TypeVar("A")
+REQUEST_TIMEOUT = 60.0  # seconds an actor waits for the controller to spawn actors for it
 
 
 def sql(query: str, timeout: float = 30.0) -> Rows:
@@ -55,48 +61,65 @@ def debug(n: int = 20, rank: int | None = None, timeout: float = 30.0) -> Rows:
 
 
 class ProcMesh(MeshView):
-    """Worker processes with named dims; spawn actors on them, stop them when done."""
+    """Worker processes with named dims; spawn actors on them, stop them when done.
 
-    def __init__(self, mesh: Mesh, shape: Shape) -> None:
-        self._mesh = mesh
-        self._shape = shape
+    A ProcMesh is a reference: it pickles (mesh id, name, shape, hosts, pids), so an actor given one can
+    spawn actors on it and call them; inside an actor, spawning and stopping are asked of the controller
+    (actors/requests.py). On the controller `_mesh` is the job's record; inside an actor it is None.
+    """
+
+    def __init__(self, info: ProcsInfo, shape: Shape | None = None, mesh: Mesh | None = None) -> None:
+        self._info = info
+        self._shape = info.shape if shape is None else shape
+        self._mesh = mesh if mesh is not None else _record(info.mesh_id)
 
     def _with_shape(self, shape: Shape) -> ProcMesh:
-        return ProcMesh(self._mesh, shape)
+        return ProcMesh(self._info, shape, self._mesh)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ProcMesh, (self._info, self._shape))
 
     @property
     def name(self) -> str:
-        return self._mesh.name
+        return self._info.name
 
-    def spawn(self, name: str, actor_cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
-        """Construct `actor_cls(*args, **kwargs)` on every proc of this view; returns at once."""
+    @property
+    def initialized(self) -> Future[Literal[True]]:
+        """Done (True) once the processes are up: spawn_procs returns when every worker connected."""
+        return resolved(True)
+
+    def spawn(self, name: str, actor_cls: type[A], *args: Any, **kwargs: Any) -> ActorMesh[A]:
+        """Construct `actor_cls(*args, **kwargs)` on every proc of this view; returns at once (an actor's
+        calls run after its __init__; `initialized` waits for it)."""
         table = endpoints_of(actor_cls)
-        if name in self._mesh.actors:
-            raise MeshError(f"proc mesh {self.name!r} already has actors named {name!r}; pick another name")
         msg = SpawnActor(name, codec.dumps(actor_cls), codec.dumps((args, kwargs)), self._shape)
-        if not self._mesh.live:
-            raise self._mesh.failure or SupervisionError(f"proc mesh {self.name!r} is stopped; spawn a new one")
-        controller().fan_out(self._mesh, self._shape, codec.encode_frame([msg]),
-                             f"spawning {name!r} (the pickled class and constructor arguments)")
-        self._mesh.actors.add(name)
-        now = now_us()
-        for r in self._shape.ranks():
-            RECORDER.add("actors", (r, self.name, name, actor_cls.__name__, now))
-        return ActorMesh(self._mesh.id, name, actor_cls.__name__, frozenset(table), self._shape)
+        ask(SpawnActors(self._info.mesh_id, msg, actor_cls.__name__)).get(REQUEST_TIMEOUT)
+        return ActorMesh(self._info.mesh_id, name, actor_cls.__name__, frozenset(table), self._shape)
 
-    def stop(self) -> None:
-        """Stop every worker of the job (idempotent)."""
-        controller().stop(self._mesh)
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """Stop every worker of the job, and the proc meshes its actors spawned (idempotent). Done at once
+        on the controller; inside an actor, once the controller stopped them (`await` it or `.get()`)."""
+        return ask(StopProcs(self._info.mesh_id))
 
     @property
     def running(self) -> bool:
-        """Neither stopped nor failed."""
-        return self._mesh.live
+        """Neither stopped nor failed (on the controller)."""
+        if self._mesh is None and not isinstance(client(), Controller):
+            raise MeshError(f"ProcMesh.running of {self.name!r} is known on the controller only; inside an actor, "
+                            "call the mesh's actors (a stopped mesh raises SupervisionError)")
+        return self._mesh is not None and self._mesh.live
 
     @property
     def hostnames(self) -> list[str]:
         """The host of each rank of this view, as the rank reported it, in row-major order."""
-        return [self._mesh.hosts[r] for r in self._shape.ranks()]
+        hosts = self._mesh.hosts if self._mesh is not None else self._info.hosts
+        return [hosts[r] for r in self._shape.ranks()]
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers of this view, in row-major order."""
+        pids = self._mesh.pids if self._mesh is not None else self._info.pids
+        return [pids[r] for r in self._shape.ranks()]
 
     def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = 3,
                        level: int = logging.INFO) -> Applied:
@@ -104,13 +127,13 @@ class ProcMesh(MeshView):
         identical lines of many ranks folded into one per `aggregate_window_sec` s window (`[dp=0..3] x4 loss
         0.5`; None: each line at once), or, with stream_to_client=False, kept off it (telemetry still has it).
         Returns a Future (`await` or `.get()`) done once every rank set its level (log_options.py)."""
-        return logging_option(self, stream_to_client, aggregate_window_sec, level)
+        return logging_option(self._here("logging_option"), stream_to_client, aggregate_window_sec, level)
 
     def sync_workspace(self, path: str | os.PathLike[str], *, reload: bool = True) -> Any:
         """Copy directory `path` to the hosts of this mesh, first on the workers' `sys.path`, reloading the
         changed modules (monarch/cluster/workspace.py); returns a SyncReport."""
         from monarch.cluster.workspace import sync_workspace
-        return sync_workspace(self, path, reload=reload)
+        return sync_workspace(self._here("sync_workspace"), path, reload=reload)
 
     def run_spmd(self, script: str, args: Sequence[str] = (), *, timeout: float | None = None) -> None:
         """Run the torchrun-style `script` with `args` on every proc of this view, with RANK, WORLD_SIZE,
@@ -118,24 +141,26 @@ class ProcMesh(MeshView):
         from monarch.spmd import run_spmd
         run_spmd(self, script, args, timeout=timeout)
 
-    @property
-    def pids(self) -> list[int]:
-        """Process ids of the workers of this view, in row-major order."""
-        return [self._mesh.pids[r] for r in self._shape.ranks()]
-
     def sql(self, query: str, timeout: float = 30.0) -> Rows:
         """Run SQL over the telemetry of this process (controller and every mesh), after fetching what
         this mesh's workers recorded (waiting up to `timeout` s; `Rows.late` names the ranks that did
         not answer in time). Tables: see README.md or monarch/runtime/telemetry.py."""
-        return controller().sql(query, timeout, [self._mesh])
+        return controller().sql(query, timeout, [self._here("sql")._mesh])
 
     def activate(self) -> Any:
         """Context manager: plain torch factories (torch.randn, torch.zeros, ...) create MeshTensors here."""
-        return tensor_api().activate(self)
+        return tensor_api().activate(self._here("activate"))
 
     def rank(self, dim: str) -> Any:
         """A MeshTensor of shape (size(dim),) sharded over `dim`: each rank holds its own index."""
-        return tensor_api().rank(self, dim)
+        return tensor_api().rank(self._here("rank"), dim)
+
+    def _here(self, what: str) -> ProcMesh:
+        """This mesh, where its job's record is (the controller); else a MeshError naming `what`."""
+        if self._mesh is None:
+            raise MeshError(f"ProcMesh.{what} of {self.name!r} works on the controller only (this reference is "
+                            "inside an actor, or its mesh is stopped); call it from the client")
+        return self
 
     def __enter__(self) -> ProcMesh:
         return self
@@ -144,5 +169,29 @@ class ProcMesh(MeshView):
         self.stop()
 
     def __repr__(self) -> str:
-        state = "failed" if self._mesh.failure else "stopped" if self._mesh.stopping else "running"
+        mesh = self._mesh
+        state = ("reference" if mesh is None else "failed" if mesh.failure else "stopped" if mesh.stopping
+                 else "running")
         return f"<ProcMesh {self.name!r} {self.extent} {state}>"
+
+
+def _record(mesh_id: int) -> Mesh | None:
+    """The controller's record of a job, in the controller's process while the job runs."""
+    c = client()
+    return c.meshes.get(mesh_id) if isinstance(c, Controller) else None
+
+
+def ask(op: Any) -> Future[Any]:
+    """Make mesh request `op` (actors/requests.py): run at once on the controller; from a worker, sent to the
+    controller in the running actor's name (then the Future is done when the controller answered)."""
+    c = client()
+    op = replace(op, call_id=c.next_call_id())
+    state = CallState(_SINGLETON, f"{type(op).__name__} (asked of the controller)")
+    if isinstance(c, Controller):
+        requests.run(c, op, None, partial(state.deliver, 0))
+    else:
+        c.ask(op, state)  # type: ignore[attr-defined]
+    return Future(state, c, one_result)
+
+
+_SINGLETON = Shape.row_major((), ())

@@ -56,9 +56,10 @@ class Launch:
 
 @dataclass(frozen=True)
 class Boot:
-    """A started worker: its authenticated control socket and its rank."""
+    """A started worker: its authenticated control socket, its rank and its mesh's id."""
     sock: socket.socket
     rank: int
+    mesh_id: int = 0
 
 
 def parse(argv: list[str]) -> Launch:
@@ -119,7 +120,7 @@ def start(argv: list[str]) -> Boot:
     assert world.Get_size() == len(launch.shape), (world.Get_size(), launch.shape)
     sock = _connect_back(launch)
     sock.sendall(launch.header(ROLE_WORKER) + encode_frame([Hello(os.getpid(), socket.gethostname())]))
-    return Boot(sock, launch.rank)
+    return Boot(sock, launch.rank, launch.mesh_id)
 
 
 def _connect_back(launch: Launch) -> socket.socket:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,21 +16,30 @@ from monarch.runtime.control.futures import CallState, Waiter
 from monarch.shape import Extent, Point, Shape
 
 if TYPE_CHECKING:
-    from monarch.runtime.control.commands import Call
+    from monarch.runtime.control.commands import Call, PortSend
 
 
 class Client(Waiter, Protocol):
-    """What a mesh reference needs from the process it lives in."""
+    """What a mesh reference or a port needs from the process it lives in."""
 
     def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None: ...
 
     def next_call_id(self) -> int: ...
 
+    def send_port(self, msg: PortSend) -> None:
+        """Deliver a port's message (here, or through the controller)."""
+
+    def port_owner(self) -> tuple[int, int] | None:
+        """Where ports opened here receive: None on the controller, (mesh id, rank) on a worker."""
+
+    def open_port(self, port: int, inbox: Any) -> None:
+        """Register a channel's receiving end (monarch.runtime.actors.ports.Inbox) under `port`."""
+
 
 TENSOR_API = "monarch.runtime.session.api"  # the one module below the actor layer may reach, only here
 _tensor_api: list[Any] = []  # registered by that module when it is imported
 _client: Client | None = None
-_point: Point = Point((), Extent((), ()))
+_point: ContextVar[Point] = ContextVar("monarch_point", default=Point((), Extent((), ())))
 
 
 def client() -> Client:
@@ -47,23 +57,22 @@ def set_client(c: Client | None) -> None:
 
 @contextmanager
 def running_as(point: Point) -> Iterator[None]:
-    """Make `point` the answer of current_rank() while an actor's code runs."""
-    global _point
-    prev, _point = _point, point
+    """Make `point` the answer of current_rank() while an actor's code runs (each async task its own)."""
+    token = _point.set(point)
     try:
         yield
     finally:
-        _point = prev
+        _point.reset(token)
 
 
 def current_rank() -> Point:
     """The calling actor's point in its actor mesh (an empty point on the controller)."""
-    return _point
+    return _point.get()
 
 
 def current_size() -> dict[str, Any]:
     """Sizes of the calling actor's mesh, by dim name."""
-    return dict(_point.extent)
+    return dict(_point.get().extent)
 
 
 def register_tensor_api(api: Any) -> None:

@@ -1,7 +1,8 @@
 """Control-plane messages: frozen dataclasses, the only things that travel between processes.
 
-Controller -> worker: SpawnActor, Call, RunProgram, Stop, Supervise, Heartbeat. Worker -> controller:
-Hello, Reply, Forward, Busy, and empty frames as heartbeats. Monitor -> controller: ProcExit. Payloads a user
+Controller -> worker: SpawnActor, Call, RunProgram, Stop, Supervise, Heartbeat, PortSend. Worker ->
+controller: Hello, Reply, Forward, Busy, ActorFault, Escalate, PortSend, the mesh requests SpawnProcs,
+SpawnActors and StopProcs, and empty frames as heartbeats. Monitor -> controller: ProcExit. Payloads a user
 supplies (classes, arguments, return values) stay opaque bytes so that one bad payload fails one call,
 never the connection. A rank paused in pdb sends DebugPaused and DebugResumed, and reads DebugInput.
 """
@@ -36,11 +37,23 @@ class Busy:
 
 @dataclass(frozen=True)
 class SpawnActor:
-    """Construct actor `name` from a pickled class and arguments; `shape` is the actor mesh's view."""
+    """Construct actor `name` from a pickled class and arguments; `shape` is the actor mesh's view;
+    `context`: a pickled dict of what the actor's context() tells (its creator, its proc mesh)."""
     name: str
     cls: bytes
     args: bytes
     shape: Shape
+    context: bytes = b""
+
+
+@dataclass(frozen=True)
+class PortRef:
+    """Where a Port's messages go: a reply slot of a call (`reply`: called mesh id, reply_to, call_id,
+    replying rank), or a channel receiver `port` in the controller (owner None) or on a worker (mesh id, rank)."""
+    port: int = 0
+    owner: tuple[int, int] | None = None
+    reply: tuple[int, int, int, int] | None = None
+    rank: int | None = None  # the sender's rank, for a ranked receiver
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,8 @@ class Call:
     args: bytes
     want_reply: bool = True
     sender: str = ""  # "mesh[rank]" of the calling actor's process; "" for the controller
+    view: Shape | None = None  # the view called (for context().message_rank); None: the whole actor mesh
+    port: PortRef | None = None  # where the answers go instead of a reply (send(..., port=))
 
 
 @dataclass(frozen=True)
@@ -128,14 +143,22 @@ class Stop:
 
 @dataclass(frozen=True)
 class MeshFailure:
-    """A worker process (or the launcher, rank LAUNCHER) of a mesh died: what `__supervise__` receives and
-    SupervisionError reports."""
+    """A supervision event: a worker process (or the launcher, rank LAUNCHER) of a mesh died, or actor
+    `actor` on one of its ranks failed (`detail`: its error and traceback). What `__supervise__` and
+    `monarch.actor.unhandled_fault_hook` receive, and what SupervisionError reports."""
     mesh: str
     rank: int
     coords: str
     pid: int
     status: str
     host: str = ""  # the rank's host, for a mesh that spans hosts; for the launcher, its program
+    actor: str = ""  # the failed actor mesh's name; "" when the process failed
+    detail: str = ""
+
+    @property
+    def mesh_name(self) -> str:
+        """The failed mesh: the actor mesh's name for an actor failure, else the proc mesh's."""
+        return self.actor or self.mesh
 
     @property
     def who(self) -> str:
@@ -143,16 +166,52 @@ class MeshFailure:
         if self.rank == LAUNCHER:
             return f"the launcher {self.host or 'mpiexec'}"
         who = f"worker rank {self.rank} ({self.coords})" if self.coords else f"worker rank {self.rank}"
+        who = f"actor {self.actor!r} on {who}" if self.actor else who
         return f"{who} on host {self.host}" if self.host else who
 
     def message(self) -> str:
         return f"mesh {self.mesh!r}: {self.who}, pid {self.pid}, {self.status}"
 
+    def report(self) -> str:
+        """The whole user-readable report: what failed, where, and the error with its traceback."""
+        return self.message() + (f"\n{self.detail}" if self.detail else "")
+
+    def __str__(self) -> str:
+        return self.message()
+
 
 @dataclass(frozen=True)
 class Supervise:
-    """Tell a worker's actors that define `__supervise__` about a failure elsewhere."""
+    """Give `failure` to the `__supervise__` of actor `actor` (its owner) on the receiving rank; the worker
+    answers with Escalate when the actor does not handle it."""
     failure: MeshFailure
+    actor: str
+
+
+@dataclass(frozen=True)
+class ActorFault:
+    """Worker -> controller: actor `actor` on this rank failed and stopped (its __init__ raised, a broadcast
+    or an explicit-port endpoint raised, or a BaseException escaped an endpoint)."""
+    actor: str
+    status: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Escalate:
+    """Worker -> controller: actor `actor` on this rank did not handle `failure` (its __supervise__ returned
+    a falsy value, or raised: then it failed too); it goes on to that actor's owner."""
+    failure: MeshFailure
+    actor: str
+    raised: str = ""  # the __supervise__ error, when it raised
+
+
+@dataclass(frozen=True)
+class PortSend:
+    """A value (or, when not ok, an exception) sent to a port; routed by the controller."""
+    ref: PortRef
+    ok: bool
+    value: bytes
 
 
 @dataclass(frozen=True)
@@ -193,6 +252,56 @@ class ProcExit:
     pid: int
     wait_status: int
     stderr_tail: str
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who spawned a proc mesh or an actor mesh: actor `actor` on rank `rank` of proc mesh `mesh_id` (the
+    controller's record of a mesh keeps it; None there: the client spawned it)."""
+    mesh_id: int
+    actor: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class ProcsInfo:
+    """What a ProcMesh reference carries: its job's mesh id, name, whole shape, and each rank's host and pid."""
+    mesh_id: int
+    name: str
+    shape: Shape
+    hosts: tuple[str, ...]
+    pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SpawnProcs:
+    """Mesh request (actors/requests.py): start a proc mesh of `shape` with the launcher kept under key
+    `launcher` (0: this host's); answered with its ProcsInfo. `call_id`/`actor`: who asks, from a worker."""
+    name: str
+    shape: Shape
+    launcher: int
+    env: tuple[tuple[str, str], ...] | None = None
+    host: str | None = None
+    call_id: int = 0
+    actor: str = ""
+
+
+@dataclass(frozen=True)
+class SpawnActors:
+    """Mesh request: spawn the actors of `spawn` (class `cls_name`) on proc mesh `mesh_id`; answered with None."""
+    mesh_id: int
+    spawn: SpawnActor
+    cls_name: str
+    call_id: int = 0
+    actor: str = ""
+
+
+@dataclass(frozen=True)
+class StopProcs:
+    """Mesh request: stop proc mesh `mesh_id` and the proc meshes its actors spawned; answered with None."""
+    mesh_id: int
+    call_id: int = 0
+    actor: str = ""
 
 
 def describe_status(wait_status: int) -> str:

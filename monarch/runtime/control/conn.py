@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from monarch import config
 from monarch.errors import SupervisionError, TransportError
 from monarch.runtime.control import codec
-from monarch.runtime.control.commands import LAUNCHER, Call, Reply
+from monarch.runtime.control.commands import LAUNCHER, Call, Owner, Reply
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.poller import Poller
 from monarch.runtime.telemetry.events import RECORDER, error_text, now_us
@@ -142,7 +142,8 @@ class Mesh:
         self.conns: list[Conn | None] = [None] * len(shape)
         self.pids: list[int] = [0] * len(shape)
         self.pending: dict[tuple[int, int], CallState | ForwardSink | TelemetrySink] = {}
-        self.actors: set[str] = set()
+        self.actors: dict[str, Owner | None] = {}  # actor mesh name -> the actor that spawned it (None: the client)
+        self.owner: Owner | None = None  # the actor that spawned this proc mesh (None: the client)
         self.proc: subprocess.Popen[bytes] | None = None
         self.kill_signal = signal.SIGKILL  # what the job gets when the mesh fails (the launcher's choice)
         self.settled = threading.Event()  # every worker said hello, or the mesh failed

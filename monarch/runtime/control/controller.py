@@ -23,9 +23,10 @@ from typing import Any
 
 from monarch import config
 from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
+from monarch.runtime.actors import requests
 from monarch.runtime.control import codec, heartbeat, launch
 from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, Busy, Call, Forward, Heartbeat, Hello, MeshFailure,
-                                              ProcExit, Reply, ShipTelemetry, Stop, Supervise, describe_exit,
+                                              ProcExit, Reply, ShipTelemetry, Stop, describe_exit,
                                               describe_status)
 from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, TelemetrySink
 from monarch.runtime.control.futures import CallState, deadline_of
@@ -52,6 +53,7 @@ class Controller:
         self._handshaking: set[Conn] = set()
         self._ended: dict[int, SupervisionError] = {}  # mesh id -> why it is gone
         self.meshes: dict[int, Mesh] = {}
+        self.ports: dict[int, Any] = {}  # channel receivers opened on the client (actors/ports.py)
         self._watch = heartbeat.Watch()
         self._poller = Poller(self._expire)
         self._listeners: dict[str, str] = {}  # bind host -> "host:port"
@@ -68,6 +70,15 @@ class Controller:
     # -- client protocol -------------------------------------------------------------------------
     def next_call_id(self) -> int:
         return next(self._ids)
+
+    def port_owner(self) -> None:
+        return None
+
+    def open_port(self, port: int, inbox: Any) -> None:
+        self.ports[port] = inbox
+
+    def send_port(self, msg: Any) -> None:
+        HANDLERS[type(msg)](self, None, msg)  # routed as if a peer had sent it (actors/supervision.py)
 
     def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None:
         mesh = self.mesh(mesh_id)
@@ -406,16 +417,17 @@ class Controller:
         log.warning("monarch: %s", failure.message())
         if mesh.proc is not None:
             launch.kill_group(mesh.proc, mesh.kill_signal)
-        frame = codec.encode_frame([Supervise(failure)])
-        for other in list(self.meshes.values()):
-            if other.live:
-                self.fan_out(other, other.shape, frame)
+        for route in SUPERVISE:  # to the mesh's owner (monarch/runtime/actors/supervision.py)
+            route(self, failure, mesh.owner)
 
 
 HANDLERS: dict[type, Callable[[Controller, Conn, Any], None]] = {  # by the type of a message from a peer
     Reply: Controller._reply, Forward: Controller._forward, Events: Controller._events, Hello: Controller._hello,
     ProcExit: Controller._proc_exit, Busy: Controller._busy}
+HANDLERS.update(requests.HANDLERS)  # an actor spawns or stops meshes (actors/requests.py)
 HANDLERS.update(breakpoints.HANDLERS)  # a rank paused in pdb, and resumed
+
+SUPERVISE: list[Callable[[Controller, MeshFailure, Any], None]] = []  # registered by the actor layer
 
 _controller: Controller | None = None
 _controller_lock = threading.Lock()

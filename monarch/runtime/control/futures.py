@@ -131,11 +131,14 @@ class Future(Generic[R]):
     result = get
 
     def __await__(self) -> Generator[Any, None, R]:
-        if not self._state.done and self._waiter.threaded:
+        """Suspend until done: on the controller (a reader thread delivers) and in an async endpoint on a
+        worker (whose loop goes on serving messages meanwhile); other loops block in get()."""
+        if not self._state.done:
             loop = asyncio.get_running_loop()
-            fut = loop.create_future()
-            self._state.on_done(lambda: _settle_soon(loop, fut))
-            yield from fut.__await__()
+            if self._waiter.threaded or getattr(self._waiter, "loop", None) is loop:
+                fut = loop.create_future()
+                self._state.on_done(lambda: _settle_soon(loop, fut))
+                yield from fut.__await__()
         return self.get()
 
     def __repr__(self) -> str:

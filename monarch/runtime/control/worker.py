@@ -8,23 +8,27 @@ still sees its own messages in order).
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import itertools
 import select
 import socket
 import sys
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Callable
 
 from monarch import config
 from monarch.errors import TransportError
 from monarch.runtime.actors import debugger
-from monarch.runtime.actors.hosting import HostedActor
+from monarch.runtime.actors.context import current_actor_name
+from monarch.runtime.actors.hosting import HostedActor, Outcome
 from monarch.runtime.control import codec
 from monarch.runtime.control.client import set_client
-from monarch.runtime.control.commands import (CONTROLLER, Busy, Call, DebugInput, Forward, Heartbeat, InstallProgram,
-                                              InvokeProgram, Reply, RunProgram, ShipTelemetry, SpawnActor, Stop,
-                                              Supervise)
+from monarch.runtime.control.commands import (CONTROLLER, ActorFault, Busy, Call, DebugInput, Escalate, Forward,
+                                              Heartbeat, InstallProgram, InvokeProgram, PortSend, Reply, RunProgram,
+                                              ShipTelemetry, SpawnActor, Stop, Supervise)
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.heartbeat import Sender
 from monarch.runtime.control.spin import AdaptiveSpin
@@ -39,10 +43,14 @@ class Worker:
     """The control-plane endpoint and actor host of one rank; also the client its actors send with."""
     threaded = False
 
-    def __init__(self, sock: socket.socket, rank: int) -> None:
+    def __init__(self, sock: socket.socket, rank: int, mesh_id: int = 0) -> None:
         self.sock = sock
         self.sender = Sender(sock)  # every send goes through it: the heartbeat thread sends too
         self.rank = rank
+        self.mesh_id = mesh_id
+        self.loop = asyncio.new_event_loop()  # async endpoints run on it as tasks, stepped by serve()
+        self._tasks: set[asyncio.Task] = set()
+        self._ports: dict[int, Any] = {}  # channel receivers opened by this rank's actors
         self._max_frame = config.max_frame()  # the controller's limit too (the workers inherit the flag)
         self._reader = codec.FrameReader(self._max_frame)
         self._inbox: deque[Any] = deque()
@@ -63,20 +71,54 @@ class Worker:
         """Run until told to stop or until the controller goes away."""
         while not self._stopped:
             self._run_inbox()
+            self._step()
             self.flush()
             if not self._stopped:
-                self._pump(None)
+                self._pump(self._loop_timeout(None))
+
+    def _step(self) -> None:
+        """Run the event loop's ready callbacks (the async endpoints that can go on), unless the loop is
+        already running (a blocking get() inside an async endpoint)."""
+        if not self._tasks or self.loop.is_running():
+            return
+        for _ in range(64):
+            self.loop.call_soon(self.loop.stop)
+            self.loop.run_forever()
+            if not self.loop._ready:  # noqa: SLF001 - asyncio has no public "anything ready?"
+                return
+
+    def _loop_timeout(self, timeout: float | None) -> float | None:
+        """How long the socket may be waited on: not past the loop's next timer (asyncio.sleep), and not at
+        all while a queued message can run (its actor's async call just ended)."""
+        if not self._tasks and not self._busy:
+            return timeout
+        if any(not self._waits(m) for m in self._inbox):
+            return 0.0
+        if not self._tasks:
+            return timeout
+        if self.loop._ready:  # noqa: SLF001
+            return 0.0
+        timers = self.loop._scheduled  # noqa: SLF001 - a heap of TimerHandles
+        if not timers:
+            return timeout
+        due = max(0.0, timers[0].when() - self.loop.time())
+        return due if timeout is None else min(due, timeout)
 
     def _run_inbox(self) -> None:
         """Run queued messages in order, skipping (and keeping) those for actors that are mid-call."""
         skipped = []
         while self._inbox and not self._stopped:
             msg = self._inbox.popleft()
-            if self._busy and not (type(msg) is SpawnActor or (type(msg) is Call and msg.actor not in self._busy)):
+            if self._waits(msg):
                 skipped.append(msg)
                 continue
             HANDLERS[type(msg)](self, msg)
         self._inbox.extendleft(reversed(skipped))
+
+    def _waits(self, msg: Any) -> bool:
+        """Whether `msg` must wait for an actor that is mid-call (while one is, only spawns and calls of
+        other actors run)."""
+        return bool(self._busy) and not (type(msg) is SpawnActor or (type(msg) is Call and msg.actor not in self._busy))
 
     def _recv(self, timeout: float | None) -> bytes | None:
         """Busy-poll briefly (the next message usually follows at once), then block up to `timeout`."""
@@ -176,27 +218,59 @@ class Worker:
 
     # -- handlers --------------------------------------------------------------------------------
     def _spawn(self, msg: SpawnActor) -> None:
-        self._actors[msg.name] = HostedActor(msg, self.rank)
+        actor = self._actors[msg.name] = HostedActor(msg, self.rank, self.mesh_id)
+        if actor.fault is not None:
+            self._report(msg.name, actor.fault)
+
+    def _report(self, name: str, outcome: Outcome) -> None:
+        """Actor `name` failed and stopped: its owner is told through the controller."""
+        print(f"monarch: actor {name!r} on rank {self.rank} {outcome.fault}\n{outcome.detail}", file=sys.stderr)
+        self._outbox.append(ActorFault(name, outcome.fault, outcome.detail))
 
     def _call(self, msg: Call) -> None:
         actor = self._actors.get(msg.actor)
         start = now_us()
         if actor is None:
-            ok, value = False, codec.dumps(TransportError(f"rank {self.rank} hosts no actor {msg.actor!r}"))
+            self._finish(msg, start, Outcome(False, codec.dumps(TransportError(
+                f"rank {self.rank} hosts no actor {msg.actor!r}"))))
+            return
+        self._busy.add(msg.actor)
+        try:
+            out = actor.call(msg)
+        finally:
+            self._busy.discard(msg.actor)
+        if inspect.iscoroutine(out):
+            self._start(msg, start, out, actor.endpoints[msg.endpoint].concurrent)
         else:
+            self._finish(msg, start, out)
+
+    def _start(self, msg: Call, start: int, coro: Any, concurrent: bool) -> None:
+        """An async endpoint as a task: the actor takes no other message until it ends, unless concurrent."""
+        if not concurrent:
             self._busy.add(msg.actor)
-            try:
-                ok, value = actor.run(msg.endpoint, msg.args)
-            finally:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if not concurrent:
                 self._busy.discard(msg.actor)
+            self._finish(msg, start, t.result())
+        task.add_done_callback(done)
+
+    def _finish(self, msg: Call, start: int, out: Outcome) -> None:
         if RECORDER.on:
-            self._ran.append((msg, start, now_us(), ok))
+            self._ran.append((msg, start, now_us(), out.ok))
         elif self._arrived:  # recording was switched off while this call waited
             self._arrived.pop(id(msg), None)
-        if msg.want_reply:
-            self._outbox.append(Reply(msg.call_id, msg.reply_to, self.rank, ok, value))
-        elif not ok:
-            print(f"monarch: broadcast failed:\n{codec.loads(value)}", file=sys.stderr)
+        if out.value is not None:
+            if msg.port is not None:
+                self.send_port(PortSend(msg.port if msg.port.rank is not None else
+                                        replace(msg.port, rank=self.rank), out.ok, out.value))
+            elif msg.want_reply:
+                self._outbox.append(Reply(msg.call_id, msg.reply_to, self.rank, out.ok, out.value))
+        if out.fault:
+            self._report(msg.actor, out)
 
     def _reply(self, msg: Reply) -> None:
         state = self._pending.get(msg.call_id)
@@ -246,8 +320,29 @@ class Worker:
         self._stopped = True
 
     def _supervise(self, msg: Supervise) -> None:
-        for actor in self._actors.values():
-            actor.supervise(msg.failure)
+        """The owner's __supervise__ gets the failure; unhandled, it goes on up (Escalate)."""
+        actor = self._actors.get(msg.actor)
+        handled = actor.supervise(msg.failure) if actor is not None else False
+        if inspect.iscoroutine(handled):
+            task = self.loop.create_task(handled)
+            self._tasks.add(task)
+
+            def done(t: asyncio.Task) -> None:
+                self._tasks.discard(t)
+                self._supervised(msg, actor, t.result())
+            task.add_done_callback(done)
+            return
+        self._supervised(msg, actor, bool(handled))
+
+    def _supervised(self, msg: Supervise, actor: HostedActor | None, handled: bool) -> None:
+        if not handled:
+            raised = actor.fault.detail if actor is not None and actor.fault is not None else ""
+            self._outbox.append(Escalate(msg.failure, msg.actor, raised))
+
+    def _port_send(self, msg: PortSend) -> None:
+        inbox = self._ports.get(msg.ref.port)
+        if inbox is not None:
+            inbox.put(msg.ok, msg.value, msg.ref.rank)
 
     def take_queued(self, kind: type, timeout: float) -> tuple[list[Any], bool]:
         """For a rank paused in pdb (actors/debugger.py), whose loop waits: send what is queued, wait up to
@@ -267,6 +362,18 @@ class Worker:
     def next_call_id(self) -> int:
         return next(self._ids)
 
+    def port_owner(self) -> tuple[int, int]:
+        return (self.mesh_id, self.rank)
+
+    def open_port(self, port: int, inbox: Any) -> None:
+        self._ports[port] = inbox
+
+    def send_port(self, msg: PortSend) -> None:
+        if msg.ref.owner == (self.mesh_id, self.rank) and msg.ref.reply is None:
+            self._port_send(msg)
+        else:
+            self._outbox.append(msg)
+
     def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None:
         if state is not None:
             self._pending[call.call_id] = state
@@ -276,29 +383,37 @@ class Worker:
         if self._stopped:
             self._lost(TransportError(f"rank {self.rank}: the control connection is closed"))
 
+    def ask(self, op: Any, state: CallState) -> None:
+        """Send a mesh request (actors/requests.py) to the controller for the running actor (it owns what the
+        request makes); its Reply settles `state`."""
+        self._pending[op.call_id] = state
+        self._outbox.append(replace(op, actor=current_actor_name()))
+
     def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
         while len(state.arrived) < arrived and not self._stopped:
             self._run_inbox()
+            self._step()
             self.flush()
             if len(state.arrived) >= arrived:
                 return
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
                 return
-            self._pump(timeout)
+            self._pump(self._loop_timeout(timeout))
 
 
 HANDLERS: dict[type, Callable[[Worker, Any], None]] = {  # by message type (Reply is run as it arrives)
     SpawnActor: Worker._spawn, Call: Worker._call, Reply: Worker._reply, Stop: Worker._stop,
     Supervise: Worker._supervise, Heartbeat: Worker._heartbeat, ShipTelemetry: Worker._ship_telemetry,
-    DebugInput: debugger.stale_input,
-    RunProgram: Worker._run_program, InstallProgram: Worker._install, InvokeProgram: Worker._invoke}
+    RunProgram: Worker._run_program, InstallProgram: Worker._install, InvokeProgram: Worker._invoke,
+    DebugInput: debugger.stale_input, PortSend: Worker._port_send}
+
 
 
 def main(argv: list[str]) -> int:
     from monarch.runtime.control import bootstrap
     boot = bootstrap.start(argv)
-    worker = Worker(boot.sock, boot.rank)
+    worker = Worker(boot.sock, boot.rank, boot.mesh_id)
     record_logging(boot.rank)
     set_client(worker)
     debugger.install()

@@ -46,11 +46,6 @@ class Counter(Actor):
         return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
     @endpoint
-    async def slow(self, seconds: float) -> int:
-        await asyncio.sleep(seconds)
-        return self.n
-
-    @endpoint
     def boom(self, msg: str) -> None:
         raise ValueError(msg)
 
@@ -61,6 +56,18 @@ class Counter(Actor):
     @endpoint
     def say(self, text: str) -> None:
         print(text, flush=True)
+
+
+class Sleepy(Actor):
+    """Async endpoints only: an actor's endpoints are all sync or all async (as in Monarch)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    @endpoint
+    async def slow(self, seconds: float) -> int:
+        await asyncio.sleep(seconds)
+        return self.n
 
 
 class Broken(Actor):
@@ -135,16 +142,21 @@ def test_stream_yields_one_finished_future_per_actor(counters: ActorMesh) -> Non
     assert sorted(f.get() for f in futures) == sorted(counters.value.call().get(timeout=T).values())
 
 
-def test_async_endpoint_and_await(counters: ActorMesh) -> None:
-    assert len(counters.slow.call(0.01).get(timeout=T).values()) == 4
+@pytest.fixture(scope="module")
+def sleepy(procs: ProcMesh) -> ActorMesh:
+    return procs.spawn("sleepy", Sleepy, 10)
+
+
+def test_async_endpoint_and_await(sleepy: ActorMesh) -> None:
+    assert sleepy.slow.call(0.01).get(timeout=T).values() == [10] * 4
 
     async def main() -> list[int]:
-        return (await counters.slow.call(0.01)).values()
-    assert asyncio.run(main()) == counters.value.call().get(timeout=T).values()
+        return (await sleepy.slow.call(0.01)).values()
+    assert asyncio.run(main()) == [10] * 4
 
 
-def test_get_times_out_then_succeeds(counters: ActorMesh) -> None:
-    fut = counters.slice(dp=0, tp=0).slow.call_one(0.5)
+def test_get_times_out_then_succeeds(sleepy: ActorMesh) -> None:
+    fut = sleepy.slice(dp=0, tp=0).slow.call_one(0.5)
     with pytest.raises(TimeoutError):
         fut.get(timeout=0.05)
     assert isinstance(fut.get(timeout=T), int)
