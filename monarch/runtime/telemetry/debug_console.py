@@ -21,12 +21,13 @@ HELP = """monarch_dbg commands:
 \tlist - list all debug sessions
 \tquit - exit the debugger, leaving all sessions in place
 \tcast <actor_name> ranks(...) <command> - send a pdb command to a set of ranks of that actor mesh:
-\t\tranks(1), ranks(1,4,6), ranks(start?:stop?:step?) or by dims, ranks(dp=0:2, tp=1); the actor name may be left out
+\t\tranks(1), ranks(1,4,6), ranks(start?:stop?:step?) or by dims, ranks(dp=0:2, tp=(0,1));
+\t\twithout the actor name: every actor paused on those ranks (`cast 0,1 n` is short for `cast ranks(0,1) n`)
 \tcontinue - clear all breakpoints and tell all ranks to continue
 \thelp - print this help message
 """
 WAIT_S = 30.0  # how long a console waits for a rank to answer a line before it leaves it running
-_CAST = re.compile(r"(?:cast)\s+(?:(?P<actor>[-\w]+)\s+)?ranks\((?P<ranks>[^)]*)\)\s*(?P<command>.*)")
+_CAST = re.compile(r"cast\s+(?:(?P<actor>[-\w]+)\s+)?(?:ranks\((?P<ranks>.*?)\)|(?P<bare>[\d,:]+))\s+(?P<command>\S.*)")
 
 
 class DebugError(MonarchError):
@@ -179,10 +180,10 @@ class DebugConsole:
 
     def _cast(self, line: str) -> str:
         m = _CAST.fullmatch(line)
-        if m is None or not m["command"].strip():
-            raise DebugError("usage: cast <actor_name> ranks(<ranks>) <pdb command>")
+        if m is None:
+            raise DebugError("usage: cast <actor_name> ranks(<ranks>) <pdb command>, or cast <ranks> <pdb command>")
         recs = [r for r in self.breakpoints.ranks() if m["actor"] in (None, r.actor)]
-        chosen = select(recs, m["ranks"])
+        chosen = select(recs, m["ranks"] if m["ranks"] is not None else m["bare"])
         if not chosen:
             raise DebugError(f"no paused rank matches {line!r}; `list` shows them")
         return self._run_all(chosen, m["command"].strip(), False)
@@ -228,6 +229,16 @@ class DebugController:
     def run(self, line: str, timeout: float = WAIT_S) -> str:
         self.console.wait_s = timeout
         return self.console.handle(line)
+
+    def enter(self) -> None:
+        """The `monarch_dbg>` prompt on this process's terminal, until quit (Monarch's `enter`)."""
+        print(BANNER, end="")
+        while not self.console.done:
+            try:
+                line = input(self.console.prompt)
+            except EOFError:
+                line = "detach" if self.console.attached is not None else "quit"
+            print(self.console.handle(line), end="", flush=True)
 
 
 def debug_controller() -> DebugController:

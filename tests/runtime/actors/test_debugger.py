@@ -91,7 +91,7 @@ def test_list_attach_cast_continue(debugee: ActorMesh) -> None:
     assert dc.run("p x * 3", timeout=T) == "24\n(Pdb) "
     assert "Detached from debug session for debugee 1" in dc.run("detach", timeout=T)
 
-    out = dc.run("cast debugee ranks(0,1) n", timeout=T)
+    out = dc.run("cast 0,1 n", timeout=T)  # short for `cast ranks(0,1) n`: every actor paused on those ranks
     assert "[debugee 0]" in out and "[debugee 1]" in out and out.count("-> z = y + 1") == 2, out
     assert [r.lineno for r in dc.list()] == [_pause_line() + 1] * 2
     out = dc.run("cast ranks(dp=0) p y", timeout=T)  # by coordinates, actor name left out
@@ -104,7 +104,8 @@ def test_list_attach_cast_continue(debugee: ActorMesh) -> None:
     assert debugee.ping.call().get(timeout=T).values() == [0, 1]  # the ranks serve calls again
 
 
-def test_a_timeout_says_a_breakpoint_is_waiting(debugee: ActorMesh) -> None:
+def test_a_timeout_says_a_breakpoint_is_waiting(debugee: ActorMesh, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     fut = debugee.to_debug.call(0)
     dc = debug_controller()
     dc.wait_pending_session(2, timeout=T)
@@ -114,7 +115,11 @@ def test_a_timeout_says_a_breakpoint_is_waiting(debugee: ActorMesh) -> None:
     later = debugee.ping.call()  # queued behind the paused call on both ranks
     with pytest.raises(TimeoutError, match="breakpoint is waiting"):
         later.get(timeout=0.5)
-    dc.run("continue", timeout=T)
+    lines = iter(["list", "continue", "quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))  # enter() reads this terminal
+    dc.enter()
+    out = capsys.readouterr().out
+    assert "MONARCH DEBUGGER" in out and out.count("to_debug") == 4 and "continued 2 paused rank(s)" in out, out
     assert fut.get(timeout=T).values() == [2, 12]
     assert later.get(timeout=T).values() == [0, 1]
 
