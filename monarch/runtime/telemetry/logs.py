@@ -105,6 +105,7 @@ class Output:
         self._lock = threading.Lock()
         self._sinks: dict[int, LogSink] = {}
         self._drained: set[int] = set()  # meshes whose pipes both reached their end
+        self._next = math.inf  # no window ends before this (read without the lock: the poller's fast path)
 
     def _sink(self, mesh_id: int) -> LogSink:
         sink = self._sinks.get(mesh_id)
@@ -125,7 +126,10 @@ class Output:
 
     def write(self, mesh_id: int, stream: str, text: str) -> None:
         with self._lock:
-            self._sink(mesh_id).write(stream, text, time.monotonic())
+            sink = self._sink(mesh_id)
+            sink.write(stream, text, time.monotonic())
+            if sink.due is not None:
+                self._next = min(self._next, sink.due)
 
     def end(self, mesh_id: int, stream: str) -> None:
         """The pipe of `stream` reached its end; once both have, the sink prints what it holds and goes."""
@@ -150,14 +154,14 @@ class Output:
 
     def tick(self, now: float) -> float:
         """Print every window that is due; seconds until the next one is."""
-        nxt = math.inf
+        if now < self._next:
+            return self._next - now
         with self._lock:
             for sink in self._sinks.values():
                 if sink.due is not None and sink.due <= now:
                     sink.flush()
-                elif sink.due is not None:
-                    nxt = min(nxt, sink.due - now)
-        return nxt
+            self._next = min((s.due for s in self._sinks.values() if s.due is not None), default=math.inf)
+            return self._next - now
 
     def flush_all(self) -> None:
         """At exit: every open window and unfinished line."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 
@@ -155,6 +157,27 @@ def test_stop_prints_the_open_window(capfd: pytest.CaptureFixture[str]) -> None:
         mesh.stop()
     out, _ = capfd.readouterr()
     assert "[dp=0..1] x2 last words\n" in out
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    from monarch.actor import Actor, endpoint, this_host
+
+    class Printer(Actor):
+        @endpoint
+        def say(self, text: str) -> None:
+            print(text, flush=True)
+
+    procs = this_host().spawn_procs(per_host={"dp": 2})
+    procs.logging_option(aggregate_window_sec=600).get(timeout=30)
+    procs.spawn("printer", Printer).say.call("words at exit").get(timeout=30)
+    print("script done", flush=True)
+""")
+
+
+def test_exit_prints_the_open_window_of_a_mesh_never_stopped() -> None:
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("[dp=0..1] x2 words at exit\n"), done.stdout
 
 
 def test_fold_label_names_boxes_of_points() -> None:
