@@ -195,15 +195,16 @@ class Worker:
             self._sample_memory()
 
     def _refuse(self, msg: Any, frame: bytes) -> Any:
-        """What goes instead of a message over MONARCH_MAX_FRAME: a reply becomes the error; a forwarded call
-        fails here (the calling actor's get() raises it); telemetry events are dropped."""
+        """What goes instead of a message over MONARCH_MAX_FRAME: a reply becomes the error; a forwarded call or
+        a mesh request fails here (the calling actor's get() raises it); telemetry events are dropped."""
         kind = type(msg)
         what = (f"a call of {msg.call.actor}.{msg.call.endpoint} from rank {self.rank}" if kind is Forward
                 else f"the {'reply' if kind is Reply else kind.__name__} of rank {self.rank}")
         err = codec.too_large(what, frame, self._max_frame)
         if kind is Reply:
             return Reply(msg.call_id, msg.reply_to, msg.rank, False, codec.dumps(err))
-        state = self._pending.pop(msg.call.call_id, None) if kind is Forward else None
+        call_id = msg.call.call_id if kind is Forward else getattr(msg, "call_id", 0)  # a call, or a mesh request
+        state = self._pending.pop(call_id, None)
         if state is not None:
             state.fail_missing(err)
         else:

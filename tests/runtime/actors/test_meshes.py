@@ -51,19 +51,24 @@ class Spawner(Actor):
         self.worker = self.sub.spawn("worker", Counter, 5)
         return self.sub, self.worker
 
-    @endpoint
-    def use(self) -> int:
-        return self.worker.incr.call_one().get(timeout=T)
+
+class AsyncSpawner(Actor):
+    """Spawns a proc mesh and actors on it in one async endpoint, calls and stops them in later ones."""
 
     @endpoint
-    def stop_sub(self) -> bool:
+    async def make(self, host: HostMesh, name: str) -> tuple[bool, None, ProcMesh, ActorMesh[Counter]]:
+        self.sub = host.spawn_procs(per_host={"gpus": 1}, name=name)
+        self.worker = self.sub.spawn("worker", Counter, 5)
+        return await self.sub.initialized, await self.worker.initialized, self.sub, self.worker
+
+    @endpoint
+    async def use(self) -> int:
+        return await self.worker.incr.call_one()
+
+    @endpoint
+    async def stop_sub(self) -> tuple[bool, None]:
         stopping = self.sub.stop()
-        return stopping.get(timeout=T) is None and isinstance(stopping, Future)
-
-
-@pytest.fixture(scope="module")
-def spawner(procs: ProcMesh) -> ActorMesh[Spawner]:
-    return procs.slice(dp=0, tp=0).spawn("spawner", Spawner)
+        return isinstance(stopping, Future), await stopping
 
 
 def test_stop_returns_a_future_and_stopping_is_idempotent() -> None:
@@ -160,7 +165,8 @@ def test_proc_and_host_meshes_pickle_as_references(procs: ProcMesh) -> None:
     assert pickle.loads(pickle.dumps(remote))._launcher is remote._launcher  # kept by the controller under a key
 
 
-def test_an_actor_given_a_mesh_spawns_and_calls_actors_on_it(procs: ProcMesh, spawner: ActorMesh[Spawner]) -> None:
+def test_an_actor_given_a_mesh_spawns_and_calls_actors_on_it(procs: ProcMesh) -> None:
+    spawner = procs.slice(dp=0, tp=0).spawn("spawner", Spawner)
     values, given = spawner.spawn_on.call_one(procs, "given").get(timeout=T)
     assert values == [101] * 4 and given.extent == procs.extent
     assert given.incr.call().get(timeout=T).values() == [102] * 4  # the client calls them too
@@ -170,14 +176,16 @@ def test_an_actor_given_a_mesh_spawns_and_calls_actors_on_it(procs: ProcMesh, sp
         spawner.spawn_on.call_one(procs.slice(dp=1), "given").get(timeout=T)
 
 
-def test_an_actor_spawns_procs_and_actors_then_calls_them_later(procs: ProcMesh, spawner: ActorMesh[Spawner]) -> None:
-    sub, worker = spawner.make.call_one(this_host(), "sub").get(timeout=T)
-    assert isinstance(sub, ProcMesh) and sub.running and sub.extent == {"gpus": 1}
-    assert controller().meshes[sub._mesh.id].owner == Owner(procs._mesh.id, "spawner", 0)
+def test_an_actor_spawns_procs_and_actors_then_calls_them_later(procs: ProcMesh) -> None:
+    spawner = procs.slice(dp=0, tp=1).spawn("async_spawner", AsyncSpawner)
+    up, ready, sub, worker = spawner.make.call_one(this_host(), "sub").get(timeout=T)
+    assert (up, ready) == (True, None) and isinstance(sub, ProcMesh) and isinstance(worker, ActorMesh)
+    assert sub.running and sub.extent == {"gpus": 1}
+    assert controller().meshes[sub._mesh.id].owner == Owner(procs._mesh.id, "async_spawner", 1)
     assert spawner.use.call_one().get(timeout=T) == 6  # a later endpoint calls them
     assert spawner.use.call_one().get(timeout=T) == 7
     assert worker.incr.call_one().get(timeout=T) == 8  # and so does the client
-    assert spawner.stop_sub.call_one().get(timeout=T) is True
+    assert spawner.stop_sub.call_one().get(timeout=T) == (True, None)  # `await procs.stop()` in an endpoint
     assert not sub.running and sub._mesh.id not in controller().meshes
     with pytest.raises(ActorError, match="stopped"):
         spawner.use.call_one().get(timeout=T)
