@@ -9,9 +9,9 @@ from monarch.cluster.agent import run_worker_loop_forever
 from monarch.cluster.attach import attach_to_workers
 from monarch.errors import ActorError, SupervisionError
 from monarch.runtime.actors.actor_mesh import ActorMesh, EndpointRef
-from monarch.runtime.actors.context import Context, context, current_actor_name, this_proc
+from monarch.runtime.actors.context import Context, context, current_actor_name
 from monarch.runtime.actors.endpoint import Actor, Endpoint, concurrent_endpoint, endpoint
-from monarch.runtime.actors.host_mesh import HostMesh, this_host
+from monarch.runtime.actors.host_mesh import HostMesh, this_host, this_proc
 from monarch.runtime.actors.ports import Accumulator, Channel, Port, PortReceiver, RankedPortReceiver, send
 from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.actors.supervision import unhandled_fault_hook

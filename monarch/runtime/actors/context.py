@@ -1,5 +1,5 @@
-"""Who is running: Monarch's `context()` (the actor instance and the message's rank), `current_actor_name()`
-and `this_proc()`.
+"""Who is running: Monarch's `context()` (the actor instance and the message's rank) and `current_actor_name()`
+(`this_proc()` is host_mesh.py's, beside `this_host()`).
 
 Each hosted actor has an `Instance` (its rank in the mesh it was spawned on, name, class, id, creator,
 proc mesh); while one of its endpoints runs, `context()` returns a `Context` of that instance and of the
@@ -76,7 +76,6 @@ def qualified_name(ins: Instance | CreatorInstance | None) -> str:
 
 _ROOT = Context(Instance(_EMPTY, "client", None, "client"), _EMPTY)
 _current: ContextVar[Context] = ContextVar("monarch_context", default=_ROOT)
-_this_proc: list[Any] = []
 
 
 def context() -> Context:
@@ -97,14 +96,3 @@ def current_actor_name() -> str:
     """The name of the running actor (its actor mesh's name), "client" outside actors."""
     return context().actor_instance.name
 
-
-def this_proc() -> Any:
-    """The proc mesh of this process's one proc: inside an actor, its own process; on the client, a
-    one-process mesh on this host, spawned on first use (actors cannot run inside the client here)."""
-    ins = context().actor_instance
-    if ins is not _ROOT.actor_instance:
-        return ins.proc
-    if not _this_proc or not _this_proc[0].running:
-        from monarch.runtime.actors.host_mesh import this_host
-        _this_proc[:] = [this_host().spawn_procs(name="this_proc")]
-    return _this_proc[0]

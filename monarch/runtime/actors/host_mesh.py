@@ -15,6 +15,7 @@ from monarch import config
 from monarch.errors import MeshError, SpawnError
 from monarch.runtime.actors import requests
 from monarch.runtime.actors.actor_mesh import resolved
+from monarch.runtime.actors.context import context
 from monarch.runtime.actors.proc_mesh import ProcMesh, ask
 from monarch.runtime.control import launch
 from monarch.runtime.control.client import client
@@ -161,3 +162,16 @@ def _check_local_size(shape: Shape, local: bool) -> None:
 def this_host() -> HostMesh:
     """The machine the controller runs on."""
     return HostMesh(["localhost"])
+
+
+_this_proc: list[ProcMesh] = []  # the client's one-process mesh of this_proc()
+
+
+def this_proc() -> ProcMesh:
+    """The proc mesh of this process's one proc: inside an actor, its own process; on the client, a
+    one-process mesh on this host, spawned on first use (actors cannot run inside the client here)."""
+    if not isinstance(client(), Controller):
+        return context().actor_instance.proc
+    if not _this_proc or not _this_proc[0].running:
+        _this_proc[:] = [this_host().spawn_procs(name="this_proc")]
+    return _this_proc[0]

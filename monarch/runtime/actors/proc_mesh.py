@@ -1,8 +1,9 @@
-"""Proc meshes on the controller (`ProcMesh`), and `monarch.sql` / `monarch.debug` over their telemetry.
+"""Proc meshes (`ProcMesh`), and `monarch.sql` / `monarch.debug` over their telemetry.
 
 A ProcMesh is a named-dim view of one MPI job (spawned by a HostMesh, host_mesh.py). Its dims are the
 `per_host` dims, with a leading `hosts` dim when the host mesh has more than one host. Stopping any view
-stops the whole job.
+stops the whole job. It is a reference that pickles: inside an actor it spawns and stops through the
+controller (`ask`, actors/requests.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from monarch.errors import MeshError
 from monarch.runtime.actors import supervision  # noqa: F401 - the client's supervision and port routing
 from monarch.runtime.actors import requests
 from monarch.runtime.actors.actor_mesh import ActorMesh, resolved
+from monarch.runtime.actors.context import context
 from monarch.runtime.actors.endpoint import endpoints_of
 from monarch.runtime.actors.log_options import Applied, logging_option
 from monarch.runtime.control import codec
@@ -92,7 +94,9 @@ class ProcMesh(MeshView):
         """Construct `actor_cls(*args, **kwargs)` on every proc of this view; returns at once (an actor's
         calls run after its __init__; `initialized` waits for it)."""
         table = endpoints_of(actor_cls)
-        msg = SpawnActor(name, codec.dumps(actor_cls), codec.dumps((args, kwargs)), self._shape)
+        creator = None if isinstance(client(), Controller) else context().actor_instance.as_creator()
+        extra = codec.dumps({"creator": creator, "proc_mesh": self})  # what the actors' context() tells
+        msg = SpawnActor(name, codec.dumps(actor_cls), codec.dumps((args, kwargs)), self._shape, extra)
         ask(SpawnActors(self._info.mesh_id, msg, actor_cls.__name__)).get(REQUEST_TIMEOUT)
         return ActorMesh(self._info.mesh_id, name, actor_cls.__name__, frozenset(table), self._shape)
 

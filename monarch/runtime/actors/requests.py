@@ -1,7 +1,7 @@
 """Mesh requests on the controller: start a proc mesh, spawn actors, stop a proc mesh, for whoever asks.
 
-The controller's own ProcMesh and HostMesh calls run them at once (`Controller.ask`); an actor asks from
-its worker (proc_mesh.ask), and the controller runs the request for it and answers with a Reply. Starting
+ProcMesh and HostMesh make them with proc_mesh.ask: on the controller they run at once; an actor asks
+from its worker (Worker.ask), and the controller runs the request for it and answers with a Reply. Starting
 or stopping a job blocks, so those run on a thread of their own; spawning actors runs in order with the
 asking actor's later calls. Each proc mesh and actor mesh records its `Owner` (the asking actor's mesh id,
 name and rank) on the controller's Mesh record: `Mesh.owner`, `Mesh.actors[name]`. Launchers other than

@@ -10,8 +10,8 @@ import typing
 import cloudpickle
 import pytest
 
-from monarch.actor import (Actor, ActorError, ActorMesh, Future, HostMesh, ProcMesh, SupervisionError, endpoint,
-                           this_host)
+from monarch.actor import (Actor, ActorError, ActorMesh, Future, HostMesh, ProcMesh, SupervisionError, context,
+                           endpoint, this_host, this_proc)
 from monarch.errors import MeshError
 from monarch.runtime.control.commands import Owner
 from monarch.runtime.control.controller import controller
@@ -27,6 +27,11 @@ class Counter(Actor):
     def incr(self) -> int:
         self.n += 1
         return self.n
+
+    @endpoint
+    def whoami(self) -> tuple[list[int], str | None]:
+        creator = context().actor_instance.creator
+        return this_proc().pids, creator.name if creator is not None else None
 
 
 class Stoppable(Actor):
@@ -159,6 +164,7 @@ def test_proc_and_host_meshes_pickle_as_references(procs: ProcMesh) -> None:
         assert view.extent == {"tp": 2} and view.pids == procs.pids[2:]
     counters = pickle.loads(pickle.dumps(procs.slice(tp=1))).spawn("from_copy", Counter, 10)
     assert counters.incr.call().get(timeout=T).values() == [11, 11]
+    assert counters.whoami.call().get(timeout=T).values() == [([pid], None) for pid in procs.slice(tp=1).pids]
     host = pickle.loads(pickle.dumps(this_host()))
     assert host.hostnames == ["localhost"] and "localhost" in repr(host)
     remote = HostMesh(["node-a", "node-b"])
@@ -170,6 +176,7 @@ def test_an_actor_given_a_mesh_spawns_and_calls_actors_on_it(procs: ProcMesh) ->
     values, given = spawner.spawn_on.call_one(procs, "given").get(timeout=T)
     assert values == [101] * 4 and given.extent == procs.extent
     assert given.incr.call().get(timeout=T).values() == [102] * 4  # the client calls them too
+    assert given.whoami.call().get(timeout=T).values() == [([pid], "spawner") for pid in procs.pids]
     record = controller().meshes[procs._mesh.id]
     assert record.actors["given"] == Owner(procs._mesh.id, "spawner", 0) and record.actors["spawner"] is None
     with pytest.raises(ActorError, match="already has actors named 'given'"):
