@@ -7,10 +7,15 @@ continue (every paused rank clears its breakpoints and continues), help, quit.
 """
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from monarch.errors import MonarchError
+from monarch.runtime.actors.actor_mesh import resolved
+from monarch.runtime.control.futures import Future
 from monarch.runtime.telemetry.breakpoints import BREAKPOINTS, Breakpoints, PausedRank
 
 PROMPT = "monarch_dbg> "
@@ -36,32 +41,34 @@ class DebugError(MonarchError):
 
 @dataclass(frozen=True)
 class DebugSessionInfo:
-    """One row of `list` (Monarch's names)."""
+    """One row of `list`, with Monarch's fields (function: `module.function`), plus the mesh and endpoint."""
     actor_name: str
     rank: int
-    coords: str
+    coords: dict[str, int]
     hostname: str
     function: str
     lineno: int
-    mesh: str
-    endpoint: str
+    mesh: str = ""
+    endpoint: str = ""
 
 
 def info(rec: PausedRank) -> DebugSessionInfo:
-    return DebugSessionInfo(rec.actor, rec.rank, rec.coords, rec.host, rec.function, rec.lineno, rec.mesh.name,
-                            rec.endpoint)
+    coords = {k: int(v) for k, v in (kv.split("=") for kv in rec.coords.split(",") if "=" in kv)}
+    module = os.path.splitext(os.path.basename(rec.filename))[0]
+    return DebugSessionInfo(rec.actor, rec.rank, coords, rec.host, f"{module}.{rec.function}", rec.lineno,
+                            rec.mesh.name, rec.endpoint)
 
 
 def table(rows: list[DebugSessionInfo]) -> str:
-    """The paused ranks as a text table (Monarch's columns, plus the mesh and the endpoint)."""
+    """The paused ranks as a text table: Monarch's columns, then the mesh and the endpoint."""
     if not rows:
         return "no rank is paused at a breakpoint\n"
     head = ("Actor Name", "Rank", "Coords", "Hostname", "Function", "Line No.", "Mesh", "Endpoint")
-    body = [(r.actor_name, str(r.rank), r.coords, r.hostname, r.function, str(r.lineno), r.mesh, r.endpoint)
+    body = [(r.actor_name, str(r.rank), str(r.coords), r.hostname, r.function, str(r.lineno), r.mesh, r.endpoint)
             for r in rows]
     widths = [max(len(c) for c in col) for col in zip(head, *body, strict=True)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [head, *body]]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]]) + "\n"
+    lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [head, *body]]
+    return "\n".join([lines[0], "-+-".join("-" * w for w in widths), *lines[1:]]) + "\n"
 
 
 def _indices(spec: str, size: int) -> list[int]:
@@ -203,22 +210,51 @@ class DebugConsole:
         return "".join(parts)
 
 
+R = TypeVar("R")
+
+
+class LocalEndpoint(Generic[R]):
+    """A method of DebugController that is also called as Monarch calls its actor's endpoints:
+    `debug_controller().list.call_one(print_output=False).get()` (or `await`) runs it here, now."""
+
+    def __init__(self, fn: Callable[..., R]) -> None:
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        return self if obj is None else BoundEndpoint(self.fn, obj)
+
+
+class BoundEndpoint(Generic[R]):
+    def __init__(self, fn: Callable[..., R], obj: Any) -> None:
+        self.fn, self.obj = fn, obj
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        return self.fn(self.obj, *args, **kwargs)
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[R]:
+        return resolved(self(*args, **kwargs))
+
+
 class DebugController:
     """The debugger of this controller's process, driven from Python: Monarch's `debug_controller()`.
 
-    `list()` returns the paused ranks, `wait_pending_session()` waits for them, and `run(line)` runs a
-    `monarch_dbg>` line (list, attach, pdb lines while attached, detach, cast, continue) and returns its text.
+    `list()` returns the paused ranks, `wait_pending_session()` waits for them, `enter()` runs the prompt on
+    this terminal, and `run(line)` runs one `monarch_dbg>` line (list, attach, pdb lines while attached,
+    detach, cast, continue) and returns its text. The first three also take Monarch's `.call_one(...).get()`.
     """
 
     def __init__(self, breakpoints: Breakpoints = BREAKPOINTS) -> None:
         self.console = DebugConsole(breakpoints)
 
-    def list(self, print_output: bool = False) -> list[DebugSessionInfo]:
+    @LocalEndpoint
+    def list(self, print_output: bool = True) -> list[DebugSessionInfo]:
         rows = [info(r) for r in self.console.breakpoints.ranks()]
         if print_output:
             print(table(rows), end="")
         return rows
 
+    @LocalEndpoint
     def wait_pending_session(self, count: int = 1, timeout: float = 30.0) -> list[DebugSessionInfo]:
         """Wait until `count` ranks are paused (DebugError after `timeout` s); their rows."""
         recs = self.console.breakpoints.wait_for(count, timeout)
@@ -230,6 +266,7 @@ class DebugController:
         self.console.wait_s = timeout
         return self.console.handle(line)
 
+    @LocalEndpoint
     def enter(self) -> None:
         """The `monarch_dbg>` prompt on this process's terminal, until quit (Monarch's `enter`)."""
         print(BANNER, end="")
@@ -239,6 +276,7 @@ class DebugController:
             except EOFError:
                 line = "detach" if self.console.attached is not None else "quit"
             print(self.console.handle(line), end="", flush=True)
+        self.console.done = False  # the next enter() starts again
 
 
 def debug_controller() -> DebugController:

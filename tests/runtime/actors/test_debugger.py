@@ -81,9 +81,11 @@ def test_list_attach_cast_continue(debugee: ActorMesh) -> None:
     fut = debugee.to_debug.call(7)
     dc = debug_controller()
     rows = dc.wait_pending_session(2, timeout=T)
+    fn = "test_debugger.to_debug"
     assert [(r.actor_name, r.rank, r.coords, r.function, r.lineno) for r in rows] == [
-        ("debugee", 0, "dp=0", "to_debug", _pause_line()), ("debugee", 1, "dp=1", "to_debug", _pause_line())]
-    assert rows[0].endpoint == "to_debug" and rows[0].hostname
+        ("debugee", 0, {"dp": 0}, fn, _pause_line()), ("debugee", 1, {"dp": 1}, fn, _pause_line())]
+    assert rows[0].endpoint == "to_debug" and rows[0].mesh == "procs" and rows[0].hostname == os.uname().nodename
+    assert dc.list.call_one(print_output=False).get(timeout=T) == rows  # Monarch's way to call it
 
     out = dc.run("attach debugee 1", timeout=T)
     assert out.startswith("Attached to debug session for debugee 1") and "-> y = y + 1" in out, out
@@ -93,14 +95,14 @@ def test_list_attach_cast_continue(debugee: ActorMesh) -> None:
 
     out = dc.run("cast 0,1 n", timeout=T)  # short for `cast ranks(0,1) n`: every actor paused on those ranks
     assert "[debugee 0]" in out and "[debugee 1]" in out and out.count("-> z = y + 1") == 2, out
-    assert [r.lineno for r in dc.list()] == [_pause_line() + 1] * 2
+    assert [r.lineno for r in dc.list(print_output=False)] == [_pause_line() + 1] * 2
     out = dc.run("cast ranks(dp=0) p y", timeout=T)  # by coordinates, actor name left out
     assert "[debugee 0]\n71\n" in out and "[debugee 1]" not in out, out
 
     assert not fut.done()
     assert "continued 2 paused rank(s)" in dc.run("continue", timeout=T)
     assert fut.get(timeout=T).values() == [72, 82]
-    assert dc.list() == []
+    assert dc.list(print_output=False) == []
     assert debugee.ping.call().get(timeout=T).values() == [0, 1]  # the ranks serve calls again
 
 
@@ -140,7 +142,7 @@ def test_pdb_set_trace_in_an_async_endpoint_and_quit(procs: ProcMesh) -> None:
     dc.run("q", timeout=T)
     with pytest.raises(ActorError, match="BdbQuit"):
         fut.get(timeout=T)
-    assert dc.list() == []
+    assert dc.list(print_output=False) == []
 
 
 def test_stepping_off_the_end_of_the_endpoint_ends_the_session(debugee: ActorMesh) -> None:
@@ -154,7 +156,7 @@ def test_stepping_off_the_end_of_the_endpoint_ends_the_session(debugee: ActorMes
     assert dc.run("n", timeout=T).endswith("Detached from debug session for debugee 0 (%s)\n" % os.uname().nodename)
     assert fut.get(timeout=T) == 2
     assert rank0.ping.call_one().get(timeout=T) == 0  # the next call runs: pdb does not step into it
-    assert dc.list() == []
+    assert dc.list(print_output=False) == []
 
 
 def test_a_breakpoint_set_in_pdb_stops_again_and_continue_clears_it(debugee: ActorMesh) -> None:
@@ -169,11 +171,11 @@ def test_a_breakpoint_set_in_pdb_stops_again_and_continue_clears_it(debugee: Act
     assert dc.run("p i, total", timeout=T) == "(0, 0)\n(Pdb) "
     assert f"({inner})loop()" in dc.run("c", timeout=T)
     assert dc.run("p i", timeout=T) == "1\n(Pdb) "
-    assert [r.lineno for r in dc.list()] == [inner]
+    assert [r.lineno for r in dc.list(print_output=False)] == [inner]
     dc.run("detach", timeout=T)
     dc.run("continue", timeout=T)  # clears the breakpoint: the loop runs to its end
     assert fut.get(timeout=T) == 6
-    assert dc.list() == []
+    assert dc.list(print_output=False) == []
 
 
 def test_a_paused_rank_keeps_beating_and_stopping_its_mesh_does_not_hang(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,12 +185,12 @@ def test_a_paused_rank_keeps_beating_and_stopping_its_mesh_does_not_hang(monkeyp
         fut = procs.spawn("debugee", Debugee).to_debug.call_one(1)
         dc.wait_pending_session(1, timeout=T)
         time.sleep(2.0)  # twice the heartbeat timeout: a paused rank is not a silent one
-        assert procs.running and [r.mesh for r in dc.list()] == ["stopped"]
+        assert procs.running and [r.mesh for r in dc.list(print_output=False)] == ["stopped"]
         start = time.monotonic()
     assert time.monotonic() - start < 5  # the paused rank read EOF, quit pdb and stopped like the others
     with pytest.raises((ActorError, SupervisionError)):  # BdbQuit, or the stop that failed it first
         fut.get(timeout=T)
-    assert dc.list() == []
+    assert dc.list(print_output=False) == []
 
 
 def test_pythonbreakpoint_0_turns_breakpoints_off() -> None:
@@ -207,10 +209,10 @@ def test_the_monarch_debug_command(debugee: ActorMesh) -> None:
     out = _monarch_debug("list\nquit\n")
     assert out.returncode == 0, out.stderr
     assert "MONARCH DEBUGGER" in out.stdout and "monarch_dbg> " in out.stdout
-    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("debugee")]
-    line = str(_pause_line())
-    assert [(r[0], r[1], r[2], r[4], r[5]) for r in rows] == [
-        ("debugee", "0", "dp=0", "to_debug", line), ("debugee", "1", "dp=1", "to_debug", line)]
+    rows = [[c.strip() for c in line.split("|")] for line in out.stdout.splitlines() if line.startswith("debugee")]
+    fn, line = "test_debugger.to_debug", str(_pause_line())
+    assert [(r[0], r[1], r[2], r[4], r[5], r[7]) for r in rows] == [
+        ("debugee", "0", "{'dp': 0}", fn, line, "to_debug"), ("debugee", "1", "{'dp': 1}", fn, line, "to_debug")]
 
     out = _monarch_debug("attach debugee 0\np y\ndetach\nlist\n")  # EOF at the prompt quits
     assert out.returncode == 0, out.stderr
