@@ -113,10 +113,6 @@ class Output:
             sink = self._sinks[mesh_id] = LogSink(LogMode())
         return sink
 
-    def mode(self, mesh_id: int) -> LogMode:
-        with self._lock:
-            return self._sink(mesh_id).mode
-
     def set_mode(self, mesh_id: int, mode: LogMode) -> None:
         """From now on, `mesh_id`'s output goes as `mode` says; the open window is printed first."""
         with self._lock:
