@@ -41,7 +41,8 @@ class DebugError(MonarchError):
 
 @dataclass(frozen=True)
 class DebugSessionInfo:
-    """One row of `list`, with Monarch's fields (function: `module.function`), plus the mesh and endpoint."""
+    """One row of `list`, with Monarch's fields (function: `module.function`), plus the mesh, the endpoint
+    and the file."""
     actor_name: str
     rank: int
     coords: dict[str, int]
@@ -50,13 +51,14 @@ class DebugSessionInfo:
     lineno: int
     mesh: str = ""
     endpoint: str = ""
+    filename: str = ""
 
 
 def info(rec: PausedRank) -> DebugSessionInfo:
     coords = {k: int(v) for k, v in (kv.split("=") for kv in rec.coords.split(",") if "=" in kv)}
     module = os.path.splitext(os.path.basename(rec.filename))[0]
     return DebugSessionInfo(rec.actor, rec.rank, coords, rec.host, f"{module}.{rec.function}", rec.lineno,
-                            rec.mesh.name, rec.endpoint)
+                            rec.mesh.name, rec.endpoint, rec.filename)
 
 
 def table(rows: list[DebugSessionInfo]) -> str:

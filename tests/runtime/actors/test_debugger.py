@@ -85,6 +85,7 @@ def test_list_attach_cast_continue(debugee: ActorMesh) -> None:
     assert [(r.actor_name, r.rank, r.coords, r.function, r.lineno) for r in rows] == [
         ("debugee", 0, {"dp": 0}, fn, _pause_line()), ("debugee", 1, {"dp": 1}, fn, _pause_line())]
     assert rows[0].endpoint == "to_debug" and rows[0].mesh == "procs" and rows[0].hostname == os.uname().nodename
+    assert rows[0].filename == __file__
     assert dc.list.call_one(print_output=False).get(timeout=T) == rows  # Monarch's way to call it
 
     out = dc.run("attach debugee 1", timeout=T)
