@@ -56,8 +56,8 @@ def test_host_meshes_have_a_hosts_dim() -> None:
     hosts = HostMesh(["a", "b", "c"])
     assert hosts.extent == {"hosts": 3} and hosts.slice(hosts=slice(1, 3)).size() == 2
     assert this_host().extent == {"hosts": 1}
-    with pytest.raises(MeshError, match="hosts"):
-        this_host().spawn_procs(per_host={"hosts": 2})
+    with pytest.raises(MeshError, match="hosts"):  # per_host may name any dim but the one several hosts add
+        hosts.spawn_procs(per_host={"hosts": 2})
 
 
 def test_worker_env_carries_our_import_path() -> None:
