@@ -274,6 +274,18 @@ class ProcsInfo:
 
 
 @dataclass(frozen=True)
+class GetController:
+    """Mesh request (actors/controllers.py): the actor mesh `name` of the process tree's singleton actors,
+    spawning `cls(*args)` on a one-process mesh the first time; answered with the ActorMesh."""
+    name: str
+    cls: bytes
+    args: bytes
+    cls_name: str
+    call_id: int = 0
+    actor: str = ""
+
+
+@dataclass(frozen=True)
 class SpawnProcs:
     """Mesh request (actors/requests.py): start a proc mesh of `shape` with the launcher kept under key
     `launcher` (0: this host's); answered with its ProcsInfo. `call_id`/`actor`: who asks, from a worker."""

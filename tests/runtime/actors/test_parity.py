@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from monarch.actor import (Accumulator, Actor, ActorError, ActorMesh, Channel, MeshFailure, Port, ProcMesh,
-                           concurrent_endpoint, context, current_actor_name, current_rank, endpoint, send)
+                           concurrent_endpoint, context, current_actor_name, current_rank, endpoint,
+                           get_or_spawn_controller, send)
 
 T = 30.0
 ROOT = Path(__file__).resolve().parents[3]
@@ -122,6 +123,32 @@ class BadInit(Actor):
     @endpoint
     def ping(self) -> int:
         return 1
+
+
+class Registry(Actor):
+    def __init__(self, tag: str) -> None:
+        self.tag, self.items = tag, []
+
+    @endpoint
+    def add(self, x: int) -> tuple[str, int]:
+        self.items.append(x)
+        return self.tag, len(self.items)
+
+
+class UsesRegistry(Actor):
+    @endpoint
+    def put(self, x: int) -> tuple[str, int]:
+        registry = get_or_spawn_controller("registry", Registry, "from an actor").get(timeout=T)
+        return registry.add.call_one(x).get(timeout=T)
+
+
+def test_get_or_spawn_controller_is_one_actor_for_the_whole_process_tree(procs: ProcMesh) -> None:
+    registry = get_or_spawn_controller("registry", Registry, "from the client").get(timeout=T)
+    assert registry.add.call_one(0).get(timeout=T) == ("from the client", 1)
+    got = procs.spawn("registry_users", UsesRegistry).put.call(1).get(timeout=T).values()
+    assert sorted(n for _, n in got) == [2, 3, 4, 5] and {tag for tag, _ in got} == {"from the client"}
+    again = get_or_spawn_controller("registry", Registry, "ignored").get(timeout=T)
+    assert again.add.call_one(2).get(timeout=T) == ("from the client", 6)
 
 
 def test_an_actor_mixing_sync_and_async_endpoints_is_refused(procs: ProcMesh) -> None:
