@@ -290,3 +290,50 @@ def test_an_unhandled_fault_exits_the_client_with_status_1_unless_the_hook_says_
     else:
         assert done.returncode == 0, done.stderr[-2000:]
         assert "hooked: bad" in done.stdout and "survived" in done.stdout
+
+
+class Parent(Actor):
+    """Owns a proc mesh and actors it spawned; counts what its __supervise__ gets."""
+
+    def __init__(self, handle: bool) -> None:
+        self.handle, self.seen = handle, []
+
+    @endpoint
+    def start(self) -> None:
+        from monarch.actor import this_host
+        self.procs = this_host().spawn_procs(per_host={"gpus": 2}, name="children")
+        self.children = self.procs.spawn("children", Echo)
+
+    @endpoint
+    def break_children(self) -> None:
+        self.children.fail.broadcast("child failure")
+
+    @endpoint
+    def seen_failures(self) -> list[tuple[str, int]]:
+        return [(f.mesh_name, f.rank) for f in self.seen]
+
+    @endpoint
+    def finish(self) -> None:
+        self.procs.stop().get(timeout=T)
+
+    def __supervise__(self, failure: MeshFailure) -> bool:
+        self.seen.append(failure)
+        return self.handle
+
+
+@pytest.mark.parametrize("handle", [True, False], ids=["handled", "escalated"])
+def test_the_owner_supervises_what_it_spawned(procs: ProcMesh, faults: list, handle: bool) -> None:
+    parent = procs.slice(dp=0, tp=0).spawn(f"parent_{handle}", Parent, handle)
+    parent.start.call_one().get(timeout=T)
+    parent.break_children.call_one().get(timeout=T)
+    deadline = time.monotonic() + T
+    while len(parent.seen_failures.call_one().get(timeout=T)) < 2:
+        assert time.monotonic() < deadline, "the owner never heard of both failed ranks"
+        time.sleep(0.05)
+    assert sorted(parent.seen_failures.call_one().get(timeout=T)) == [("children", 0), ("children", 1)]
+    if handle:
+        time.sleep(0.3)
+        assert not faults, "handled by the owner: the client's hook is not called"
+    else:
+        assert sorted(f.rank for f in wait_for_faults(faults, 2)) == [0, 1]
+    parent.finish.call_one().get(timeout=T)
