@@ -27,17 +27,19 @@ class ActorMesh(MeshView, Generic[A]):
     `ActorMesh[Counter]` names the mesh of a class, as in Monarch. An endpoint named like a method of the
     mesh (`stop`, `slice`, ...) is the endpoint, as in Monarch."""
 
-    def __init__(self, mesh_id: int, name: str, cls_name: str, endpoints: frozenset[str], shape: Shape) -> None:
+    def __init__(self, mesh_id: int, name: str, cls_name: str, endpoints: frozenset[str], shape: Shape,
+                 spawned: Shape | None = None) -> None:
         self._mesh_id = mesh_id
         self._name = name
         self._cls_name = cls_name
+        self._spawned = shape if spawned is None else spawned  # the whole actor mesh, of which shape is a view
         self._endpoints = endpoints
         self._shape = shape
         for attr in endpoints & _METHODS:
             setattr(self, attr, EndpointRef(self, attr))
 
     def _with_shape(self, shape: Shape) -> ActorMesh[A]:
-        return ActorMesh(self._mesh_id, self._name, self._cls_name, self._endpoints, shape)
+        return ActorMesh(self._mesh_id, self._name, self._cls_name, self._endpoints, shape, self._spawned)
 
     def __getattr__(self, attr: str) -> EndpointRef:
         if attr.startswith("_") or attr not in self._endpoints:
@@ -46,7 +48,7 @@ class ActorMesh(MeshView, Generic[A]):
         return EndpointRef(self, attr)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ActorMesh, (self._mesh_id, self._name, self._cls_name, self._endpoints, self._shape))
+        return (ActorMesh, (self._mesh_id, self._name, self._cls_name, self._endpoints, self._shape, self._spawned))
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} of {self._cls_name} {self.extent}>"
@@ -99,7 +101,9 @@ class EndpointRef:
         c = client()
         what = f"{self._mesh._name}.{self._name}"
         state = CallState(shape, what, (self._mesh._mesh_id, self._mesh._name)) if want_reply else None
-        call = Call(c.next_call_id(), CONTROLLER, self._mesh._name, self._name, codec.dumps((args, kwargs)), want_reply)
+        view = None if shape == self._mesh._spawned else shape  # for context().message_rank, when it differs
+        call = Call(c.next_call_id(), CONTROLLER, self._mesh._name, self._name, codec.dumps((args, kwargs)), want_reply,
+                    view=view)
         try:
             c.send(self._mesh._mesh_id, shape, call, state)
         except BaseException as e:
@@ -130,9 +134,10 @@ class EndpointRef:
     def _send_to(self, args: tuple, kwargs: dict, port: PortRef | None, choose: bool) -> None:
         """Call without waiting; each actor's answer goes to `port` (ports.send)."""
         c = client()
+        shape = _one_of(self._mesh._shape) if choose else self._mesh._shape
         call = Call(c.next_call_id(), CONTROLLER, self._mesh._name, self._name, codec.dumps((args, kwargs)), False,
-                    port=port)
-        c.send(self._mesh._mesh_id, _one_of(self._mesh._shape) if choose else self._mesh._shape, call, None)
+                    view=None if shape == self._mesh._spawned else shape, port=port)
+        c.send(self._mesh._mesh_id, shape, call, None)
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Send to every actor of the view without waiting; failures are printed by the failing rank."""

@@ -175,6 +175,11 @@ def test_context_names_the_actor_and_the_message_rank(procs: ProcMesh) -> None:
     echo = procs.spawn("echo_ctx", Echo)
     got = echo.slice(dp=1, tp=0).who.call_one().get(timeout=T)
     assert got["rank"] == {"dp": 1, "tp": 0} and got["name"] == "echo_ctx" == got["current"]
+    assert got["message_rank"] == {}  # its point in the one-actor view it was called on
+    row = echo.slice(dp=1).who.call().get(timeout=T)
+    assert [v["message_rank"] for v in row.values()] == [{"tp": 0}, {"tp": 1}]
+    assert [v["message_rank"] for v in echo.who.call().get(timeout=T).values()] == [v["rank"] for v in
+                                                                                 echo.who.call().get(timeout=T).values()]
     assert got["cls"].endswith("Echo") and got["creator"] is None and "echo_ctx" in got["id"]
     assert current_actor_name() == "client" and context().actor_instance.name == "client"
 
