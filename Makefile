@@ -36,6 +36,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/telemetry_overhead.py
 	$(PY) benchmarks/heartbeat.py
 	$(PY) benchmarks/controller_memory.py
+	$(PY) benchmarks/checkpoint.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .hypothesis
