@@ -67,9 +67,11 @@ class Breakpoints:
             if rec is None:
                 rec = PausedRank(mesh, conn, msg.actor, msg.endpoint, msg.rank, msg.coords, msg.host, msg.filename,
                                  msg.function, msg.lineno)
+                if not any(k[:2] == key[:2] for k in self._ranks):  # the first of its actor mesh says so
+                    print(f"monarch: breakpoint: {rec.describe()} is paused in pdb (other ranks may follow); attach "
+                          f"from another terminal with `monarch debug` (`list`, then `attach {msg.actor} {msg.rank}`)",
+                          file=sys.stderr, flush=True)
                 self._ranks[key] = rec
-                print(f"monarch: breakpoint: {rec.describe()} is paused in pdb; attach from another terminal with "
-                      f"`monarch debug` (then `attach {msg.actor} {msg.rank}`)", file=sys.stderr, flush=True)
             rec.filename, rec.function, rec.lineno = msg.filename, msg.function, msg.lineno
             rec.output += msg.output
             rec.waiting = True

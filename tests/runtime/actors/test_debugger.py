@@ -77,10 +77,12 @@ def debugee(procs: ProcMesh) -> ActorMesh:
     return procs.spawn("debugee", Debugee)
 
 
-def test_list_attach_cast_continue(debugee: ActorMesh) -> None:
+def test_list_attach_cast_continue(debugee: ActorMesh, capsys: pytest.CaptureFixture[str]) -> None:
     fut = debugee.to_debug.call(7)
     dc = debug_controller()
     rows = dc.wait_pending_session(2, timeout=T)
+    notice = capsys.readouterr().err  # one line for the actor mesh, naming its first paused rank
+    assert notice.count("is paused in pdb") == 1 and "`monarch debug`" in notice, notice
     fn = "test_debugger.to_debug"
     assert [(r.actor_name, r.rank, r.coords, r.function, r.lineno) for r in rows] == [
         ("debugee", 0, {"dp": 0}, fn, _pause_line()), ("debugee", 1, {"dp": 1}, fn, _pause_line())]
