@@ -90,9 +90,7 @@ class Worker:
     def _loop_timeout(self, timeout: float | None) -> float | None:
         """How long the socket may be waited on: not past the loop's next timer (asyncio.sleep), and not at
         all while a queued message can run (its actor's async call just ended)."""
-        if not self._tasks and not self._busy:
-            return timeout
-        if any(not self._waits(m) for m in self._inbox):
+        if self._inbox and any(not self._waits(m) for m in self._inbox):
             return 0.0
         if not self._tasks:
             return timeout
