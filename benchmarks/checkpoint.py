@@ -389,7 +389,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="monarch-checkpoint-") as tmp:
         results = {model: {kind: measure(kind, model, args, tmp) for kind in KINDS} for model in args.models}
     report(results)
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s; load average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
