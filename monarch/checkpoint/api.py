@@ -82,7 +82,8 @@ def _load_on_mesh(session: Any, flat: dict[str, Any], mappings: dict[str, Any], 
         raise CheckpointError(f"reading checkpoint {path!r} failed on rank {e.rank}: {e}; nothing was loaded") from e
     with torch.no_grad():
         for (_, target, _), loaded in zip(planned.targets, handles[:-1], strict=True):
-            target.copy_(loaded)
+            if not session.adopt(target, loaded):  # a target a view shares, or of other placements: copied
+                target.copy_(loaded)
         for fqn, value in extras.items():  # read by the first rank: plain tensors (copied into) and objects
             value = value if isinstance(value, torch.Tensor) else _object(value)
             if isinstance(flat[fqn], torch.Tensor):

@@ -134,6 +134,15 @@ class Session:
         node, ids = self.tracer.node(_target(op), tuple(n for n, _ in srcs), out_specs, make)
         return [self.tracer.wrap(spec, node, i) for spec, i in zip(out_specs, ids, strict=True)]
 
+    def adopt(self, target: MeshTensor, source: MeshTensor) -> bool:
+        """Let `target` name `source`'s buffer from now on, as a load that replaces all of its values does,
+        without a copy: when their specs match and no view shares target's storage. Whether it did."""
+        if target._spec != source._spec or target._handle.aliased() or source._handle.aliased():
+            return False
+        target._handle = source._handle
+        self.tracer.epoch += 1  # a compiled step's settled buffers are stale now
+        return True
+
     def values(self, handle: MeshTensor) -> Future[list[Any]]:
         """Every rank's value of an `on_ranks` result, in rank order (a sync point)."""
         future = self.flush(Values(handle._handle.id, handle._spec, tuple(range(len(self.view)))), sync=True)
