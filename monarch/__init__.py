@@ -9,8 +9,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from monarch.errors import (ActorError, CheckpointError, MeshError, MonarchError, RemoteError, ShapeError, ShardingError,
-                            SpawnError, SupervisionError, TraceError, TransportError, UnsupportedOpError)
+from monarch.errors import (ActorError, CheckpointError, MeshError, MonarchError, RemoteError, ShapeError,
+                            ShardingError, SpawnError, SupervisionError, TraceError, TransportError, UnsupportedOpError)
 
 __version__ = "0.1.0"
 

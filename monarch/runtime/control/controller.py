@@ -26,8 +26,7 @@ from monarch.errors import MeshError, SpawnError, SupervisionError, TransportErr
 from monarch.runtime.actors import requests
 from monarch.runtime.control import codec, heartbeat, launch
 from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, Busy, Call, Forward, Heartbeat, Hello, MeshFailure,
-                                              ProcExit, Reply, ShipTelemetry, Stop, describe_exit,
-                                              describe_status)
+                                              ProcExit, Reply, ShipTelemetry, Stop, describe_exit, describe_status)
 from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, TelemetrySink
 from monarch.runtime.control.futures import CallState, deadline_of
 from monarch.runtime.control.poller import Poller
