@@ -37,6 +37,7 @@ from monarch.runtime.telemetry.events import (BATCH, MEMORY_EVERY_S, RECORDER, E
 from monarch.shape import Shape
 
 IMPORT_GRACE_S = 120.0  # how long loading torch (it holds the GIL, so no heartbeat goes out) may take
+BIG_FRAME = 64 << 20  # a frame this large is decoded under a Busy excuse (10 s per BIG_FRAME, at least 30 s)
 
 
 class Worker:
@@ -161,17 +162,20 @@ class Worker:
 
     def _decode(self, body: bytes) -> list[Any]:
         """The frame's messages. The first frame that needs torch (a tensor program, a tensor argument) loads
-        it while decoding, which holds the GIL for seconds on a loaded machine: the controller is told first
-        (Busy), so that the missing heartbeats during the load do not fail this worker."""
-        if self._torch_loaded or b"torch" not in body or "torch" in sys.modules:
-            self._torch_loaded = self._torch_loaded or "torch" in sys.modules
+        it while decoding, which holds the GIL for seconds on a loaded machine, and a very large frame (a big
+        tensor argument) takes a while to unpickle: the controller is told first (Busy), so that the missing
+        heartbeats meanwhile do not fail this worker."""
+        importing = not self._torch_loaded and b"torch" in body and "torch" not in sys.modules
+        self._torch_loaded = self._torch_loaded or "torch" in sys.modules
+        if not importing and len(body) < BIG_FRAME:
             return codec.decode_frame(body)
-        self.sender.sendall(codec.encode_frame([Busy(IMPORT_GRACE_S, "loading torch")]))  # now, not queued
+        grace = IMPORT_GRACE_S if importing else max(30.0, len(body) / BIG_FRAME * 10.0)
+        self.sender.sendall(codec.encode_frame([Busy(grace, "loading torch" if importing else "a large frame")]))
         try:
             return codec.decode_frame(body)
         finally:
             self.sender.sendall(codec.encode_frame([Busy(0.0, "")]))  # silence counts again
-            self._torch_loaded = True
+            self._torch_loaded = "torch" in sys.modules
 
     def _lost(self, err: Exception) -> None:
         self._stopped = True
