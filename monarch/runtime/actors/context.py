@@ -8,8 +8,6 @@ ContextVar). On the client, `context()` is the root client's.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -75,21 +73,12 @@ def qualified_name(ins: Instance | CreatorInstance | None) -> str:
 
 
 _ROOT = Context(Instance(_EMPTY, "client", None, "client"), _EMPTY)
-_current: ContextVar[Context] = ContextVar("monarch_context", default=_ROOT)
+CURRENT: ContextVar[Context] = ContextVar("monarch_context", default=_ROOT)  # each async task has its own
 
 
 def context() -> Context:
     """The current actor's context (the root client's outside any actor)."""
-    return _current.get()
-
-
-@contextmanager
-def running(ctx: Context) -> Iterator[None]:
-    token = _current.set(ctx)
-    try:
-        yield
-    finally:
-        _current.reset(token)
+    return CURRENT.get()
 
 
 def current_actor_name() -> str:

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import traceback
-from collections.abc import Coroutine, Iterator
-from contextlib import contextmanager
+from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
 from monarch.errors import ActorError, MonarchError, SupervisionError
-from monarch.runtime.actors.context import Context, CreatorInstance, Instance, running
+from monarch.runtime.actors.context import CURRENT, Context, CreatorInstance, Instance
 from monarch.runtime.actors.endpoint import INITIALIZED, STOP, SUPERVISE, Endpoint, endpoints_of
 from monarch.runtime.actors.ports import DROP, Port, reply_port
 from monarch.runtime.control import codec
-from monarch.runtime.control.client import running_as
+from monarch.runtime.control.client import POINT
 from monarch.runtime.control.commands import Call, MeshFailure, SpawnActor
 
 
@@ -48,6 +47,7 @@ class HostedActor:
         self.stopped: MonarchError | None = None
         self.fault: Outcome | None = None  # the failure of __init__, reported once spawned
         self.info = Instance(self.point, msg.name, None, f"{msg.name}[{rank}]")
+        self._ctx = Context(self.info, self.point)  # a call of the whole actor mesh
         try:
             cls = codec.loads(msg.cls)
             self.info.class_name = f"{cls.__module__}.{cls.__qualname__}"
@@ -61,10 +61,9 @@ class HostedActor:
         except BaseException as e:  # noqa: BLE001 - the actor stops; its owner is told
             self.fault = self._fail(e, "__init__", True)
 
-    @contextmanager
-    def _running(self, message_rank: Any) -> Iterator[None]:
-        with running(Context(self.info, message_rank)), running_as(self.point):
-            yield
+    def _running(self, message_rank: Any) -> _Running:
+        ctx = self._ctx if message_rank is self.point else Context(self.info, message_rank)
+        return _Running(ctx, self.point)
 
     def _error(self, e: BaseException, what: str) -> ActorError:
         tb = "".join(traceback.format_exception(e))
@@ -110,7 +109,7 @@ class HostedActor:
                 out = ep.fn(self.instance, *a, **kw)
         except BaseException as e:  # noqa: BLE001 - the caller or the owner gets it
             return self._failed(e, ep, msg)
-        return self._answer(ep, out)
+        return self._answer(ep, out, msg)
 
     def _lifecycle(self, endpoint: str) -> Outcome:
         """ActorMesh.initialized (None once __init__ ran; why it failed) and ActorMesh.stop (later calls fail)."""
@@ -128,15 +127,15 @@ class HostedActor:
                 out = await ep.fn(self.instance, *a, **kw)
         except BaseException as e:  # noqa: BLE001 - the caller or the owner gets it
             return self._failed(e, ep, msg)
-        return self._answer(ep, out)
+        return self._answer(ep, out, msg)
 
     def _failed(self, e: BaseException, ep: Endpoint, msg: Call) -> Outcome:
         nobody = not msg.want_reply and msg.port is None
         return self._fail(e, ep.name, not isinstance(e, Exception) or nobody or ep.explicit_response_port)
 
-    def _answer(self, ep: Endpoint, out: Any) -> Outcome:
-        if ep.explicit_response_port:
-            return Outcome(True, None)
+    def _answer(self, ep: Endpoint, out: Any, msg: Call) -> Outcome:
+        if ep.explicit_response_port or not msg.want_reply and msg.port is None:
+            return _NOTHING
         try:
             return Outcome(True, codec.dumps(out))
         except Exception as e:  # noqa: BLE001 - an unpicklable result fails this call only
@@ -179,3 +178,21 @@ class HostedActor:
         except BaseException as e:  # noqa: BLE001
             self.fault = self._fail(e, SUPERVISE, True)
             return False
+
+
+_NOTHING = Outcome(True, None)  # a call answered through its port, or that nobody waits for
+
+
+class _Running:
+    """context() and current_rank() of a running endpoint, set and reset (a class: the call path is hot)."""
+    __slots__ = ("ctx", "point", "tokens")
+
+    def __init__(self, ctx: Context, point: Any) -> None:
+        self.ctx, self.point = ctx, point
+
+    def __enter__(self) -> None:
+        self.tokens = (CURRENT.set(self.ctx), POINT.set(self.point))
+
+    def __exit__(self, *exc: Any) -> None:
+        POINT.reset(self.tokens[1])
+        CURRENT.reset(self.tokens[0])

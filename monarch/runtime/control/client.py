@@ -6,8 +6,6 @@ installed at start-up. `current_rank()`/`current_size()` read the point of the e
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from contextvars import ContextVar
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,7 +37,7 @@ class Client(Waiter, Protocol):
 TENSOR_API = "monarch.runtime.session.api"  # the one module below the actor layer may reach, only here
 _tensor_api: list[Any] = []  # registered by that module when it is imported
 _client: Client | None = None
-_point: ContextVar[Point] = ContextVar("monarch_point", default=Point((), Extent((), ())))
+POINT: ContextVar[Point] = ContextVar("monarch_point", default=Point((), Extent((), ())))  # current_rank()
 
 
 def client() -> Client:
@@ -55,24 +53,14 @@ def set_client(c: Client | None) -> None:
     _client = c
 
 
-@contextmanager
-def running_as(point: Point) -> Iterator[None]:
-    """Make `point` the answer of current_rank() while an actor's code runs (each async task its own)."""
-    token = _point.set(point)
-    try:
-        yield
-    finally:
-        _point.reset(token)
-
-
 def current_rank() -> Point:
     """The calling actor's point in its actor mesh (an empty point on the controller)."""
-    return _point.get()
+    return POINT.get()
 
 
 def current_size() -> dict[str, Any]:
     """Sizes of the calling actor's mesh, by dim name."""
-    return dict(_point.get().extent)
+    return dict(POINT.get().extent)
 
 
 def register_tensor_api(api: Any) -> None:
