@@ -22,6 +22,7 @@ from monarch.runtime.actors.ports import DROP, Port, reply_port
 from monarch.runtime.control import codec
 from monarch.runtime.control.client import POINT
 from monarch.runtime.control.commands import Call, MeshFailure, SpawnActor
+from monarch.shape import Extent, Point, Shape
 
 
 @dataclass(frozen=True)
@@ -149,10 +150,13 @@ class HostedActor:
         return Port(DROP)
 
     def _message_rank(self, msg: Call) -> Any:
-        view = msg.view
-        if view is None or self.rank not in view.ranks():
+        if msg.view is None:
             return self.point
-        return view.point(view.ranks().index(self.rank))
+        if not msg.view[0]:
+            return _SINGLE_POINT  # a call of one actor
+        view = Shape(*msg.view)
+        ranks = view.ranks()
+        return view.point(ranks.index(self.rank)) if self.rank in ranks else self.point
 
     # -- supervision -----------------------------------------------------------------------------
     def supervise(self, failure: MeshFailure) -> bool | Coroutine[Any, Any, bool]:
@@ -180,7 +184,8 @@ class HostedActor:
             return False
 
 
-_NOTHING = Outcome(True, None)  # a call answered through its port, or that nobody waits for
+_NOTHING = Outcome(True, None)
+_SINGLE_POINT = Point((), Extent((), ()))  # a call answered through its port, or that nobody waits for
 
 
 class _Running:

@@ -66,7 +66,7 @@ class Call:
     args: bytes
     want_reply: bool = True
     sender: str = ""  # "mesh[rank]" of the calling actor's process; "" for the controller
-    view: Shape | None = None  # the view called (for context().message_rank); None: the whole actor mesh
+    view: tuple | None = None  # the called view's Shape fields (context().message_rank); None: the whole mesh
     port: PortRef | None = None  # where the answers go instead of a reply (send(..., port=))
 
 
