@@ -175,3 +175,38 @@ def this_proc() -> ProcMesh:
     if not _this_proc or not _this_proc[0].running:
         _this_proc[:] = [this_host().spawn_procs(name="this_proc")]
     return _this_proc[0]
+
+
+# -- Monarch's older spellings ----------------------------------------------------------------------
+def proc_mesh(*, gpus: int | None = None, hosts: int = 1, env: dict[str, str] | None = None) -> ProcMesh:
+    """Monarch's `proc_mesh(gpus=, hosts=)` (deprecated there too): `this_host().spawn_procs(per_host=
+    {"hosts": hosts, "gpus": gpus})`, one host's worth of processes per `hosts` on this machine."""
+    return this_host().spawn_procs(per_host={"hosts": hosts, "gpus": gpus or _local_devices()}, env=env)
+
+
+def local_proc_mesh(*, gpus: int | None = None, hosts: int = 1) -> ProcMesh:
+    """A proc mesh on this machine (Monarch's name for `proc_mesh` with local processes)."""
+    return proc_mesh(gpus=gpus, hosts=hosts)
+
+
+def sim_proc_mesh(*, gpus: int | None = None, hosts: int = 1) -> ProcMesh:
+    """Monarch simulates a mesh's processes here; these are real local processes with the same dims."""
+    return proc_mesh(gpus=gpus, hosts=hosts)
+
+
+def _local_devices() -> int:
+    """The CUDA devices this host shows (CUDA_VISIBLE_DEVICES, else nvidia's device files), at least 1."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return max(1, len([d for d in visible.split(",") if d.strip()]))
+    return max(1, len([n for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit()])
+               if os.path.isdir("/dev") else 1)
+
+
+def shutdown_context() -> Future[None]:
+    """Stop every proc mesh this client started (Monarch's shutdown of the client's context); idempotent."""
+    if isinstance(client(), Controller):
+        ctl = client()
+        for mesh in list(ctl.meshes.values()):  # type: ignore[attr-defined]
+            ctl.stop(mesh)  # type: ignore[attr-defined]
+    return resolved(None)

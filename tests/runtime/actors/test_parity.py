@@ -342,3 +342,39 @@ def test_the_owner_supervises_what_it_spawned(procs: ProcMesh, faults: list, han
     else:
         assert sorted(f.rank for f in wait_for_faults(faults, 2)) == [0, 1]
     parent.finish.call_one().get(timeout=T)
+
+
+OLD_NAMES = """
+import monarch.actor as ma
+from monarch.actor import Actor, endpoint, current_rank
+from monarch.errors import MonarchError
+class Where(Actor):
+    @endpoint
+    def where(self) -> dict:
+        return dict(current_rank())
+mesh = ma.proc_mesh(gpus=2)
+assert mesh.extent == {"hosts": 1, "gpus": 2}, mesh.extent
+assert mesh.spawn("w", Where).where.call().get(timeout=30).values() == [{"hosts": 0, "gpus": 0}, {"hosts": 0, "gpus": 1}]
+local = ma.local_proc_mesh(gpus=1)
+ma.enable_transport("tcp")
+ma.enable_transport(ma.ChannelTransport.TcpWithHostname)
+try:
+    ma.enable_transport("ipc")
+    raise SystemExit("ipc was accepted")
+except MonarchError:
+    pass
+assert ma.gpu_direct_rdma_supported() is False and ma.config.max_frame() > 0
+ma.shutdown_context().get(timeout=30)
+assert not mesh.running and not local.running
+print("old names ok", flush=True)
+"""
+
+
+def test_monarchs_older_names_work(tmp_path: Path) -> None:
+    """proc_mesh / local_proc_mesh (a hosts x gpus mesh), enable_transport, gpu_direct_rdma_supported, config and
+    shutdown_context (it stops every mesh of the client, hence its own process)."""
+    script = tmp_path / "old_names.py"
+    script.write_text(OLD_NAMES)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and "old names ok" in done.stdout, done.stderr[-2000:]
