@@ -8,6 +8,7 @@ import asyncio
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,17 @@ class UsesRegistry(Actor):
         return registry.add.call_one(x).get(timeout=T)
 
 
+@pytest.fixture
+def singletons() -> Iterator[None]:
+    """Controllers live as long as the client; the test stops the ones it made."""
+    from monarch.runtime.actors import controllers
+    yield
+    for procs, _ in list(controllers._spawned.values()):
+        procs.stop()
+    controllers._spawned.clear()
+
+
+@pytest.mark.usefixtures("singletons")
 def test_get_or_spawn_controller_is_one_actor_for_the_whole_process_tree(procs: ProcMesh) -> None:
     registry = get_or_spawn_controller("registry", Registry, "from the client").get(timeout=T)
     assert registry.add.call_one(0).get(timeout=T) == ("from the client", 1)
@@ -263,18 +275,22 @@ def test_failures_nobody_can_catch_stop_the_actor_and_reach_the_client(procs: Pr
 
 
 SCRIPT = """
-import sys, time
+import sys, threading
 import monarch.actor as ma
 from monarch.actor import Actor, endpoint, this_host
 class Bad(Actor):
     @endpoint
     def fail(self) -> None:
         raise ValueError("unhandled on purpose")
+hooked = threading.Event()
+def hook(failure):
+    print("hooked:", failure.mesh_name, flush=True)
+    hooked.set()
 if sys.argv[1] == "replaced":
-    ma.unhandled_fault_hook = lambda failure: print("hooked:", failure.mesh_name, flush=True)
+    ma.unhandled_fault_hook = hook
 with this_host().spawn_procs(per_host={"gpus": 1}) as procs:
     procs.spawn("bad", Bad).fail.broadcast()
-    time.sleep(20)
+    hooked.wait(20)  # the default hook ends the client before this returns
 print("survived", flush=True)
 """
 
