@@ -6,6 +6,7 @@ script itself in each worker process, as `python script.py args` would, and rest
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -290,7 +291,5 @@ def _wait(futures: list[Any], what: str, timeout: float | None) -> None:
             raise TimeoutError(f"{what} did not finish within {timeout} s on rank(s) {sorted(pending)}; it keeps "
                                "running there, and those workers serve nothing else meanwhile: give run_spmd a "
                                "longer timeout, or stop the mesh")
-        try:
+        with contextlib.suppress(TimeoutError):  # a poll: the loop looks at every rank again
             next(iter(pending.values())).get(timeout=POLL_S if left is None else min(POLL_S, left))
-        except TimeoutError:
-            pass

@@ -107,7 +107,7 @@ class _Into(DefaultLoadPlanner):
         return out
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
+        """Nothing to commit: resolve_tensor handed out a view of the output, which the reader filled."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.blobs[read_item.dest_index.fqn] = value.getvalue()
