@@ -4,7 +4,8 @@
 dims, bmm and a view back; merging a sharded inner batch dim (attention's heads) with its outer one
 cannot keep the shard, so every attention matmul would move data. F.linear on a (seq, batch, features)
 input merges seq with the batch the same way. Recorded as one op, each has an einsum rule in which
-every batch dim may stay sharded.
+every batch dim may stay sharded. Under `torch.autocast` they cast their inputs as torch's own
+matmul and linear do (both run in the lower precision), so a model autocasts the same on a mesh.
 """
 from __future__ import annotations
 
@@ -75,6 +76,27 @@ def _linear_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None,
 
 
 linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def _autocast_like_torch(op: torch._ops.OpOverload, device: str) -> None:
+    """Under autocast on `device`, cast `op`'s floating inputs (float64 excepted, as torch does) to the
+    autocast dtype of that moment, then run it with autocast off. torch.library's register_autocast
+    fixes the dtype once; torch's matmul and linear follow `torch.autocast(dtype=...)`."""
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device))
+
+    def kernel(keyset: Any, *args: Any) -> Any:
+        dtype = torch.get_autocast_dtype(device)
+        cast = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64
+                and a.device.type == device else a for a in args]
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return op(*cast)
+    _AUTOCAST.impl(op._schema.name.split("::")[1], kernel, key.name, with_keyset=True)
+
+
+_AUTOCAST = torch.library.Library("monarch", "IMPL")  # noqa: TOR901 - kept for the process's lifetime
+for _op in (torch.ops.monarch.matmul.default, torch.ops.monarch.linear.default):
+    for _device in ("cpu", "cuda"):
+        _autocast_like_torch(_op, _device)
 
 
 def linear_call(input: Any, weight: Any, bias: Any = None) -> Any:
