@@ -6,6 +6,7 @@ wrapper holds no storage: only the global shape, stride and dtype, the Spec and 
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from collections.abc import Iterator, Mapping, Sequence
@@ -130,7 +131,10 @@ class MeshTensor(torch.Tensor):
         return self.full_tensor().numpy()
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        body = repr(self.full_tensor())
+        with contextlib.ExitStack() as modes:  # off while fetching and printing: activate()'s factories would
+            for _ in range(torch._C._len_torch_function_stack()):  # make their tensors MeshTensors
+                modes.enter_context(torch.overrides._pop_mode_temporarily())
+            body = repr(self.full_tensor())
         return f"MeshTensor({body}, mesh=({self._spec.mesh.label()}), placements={self._spec.placement_str()})"
 
     __str__ = __repr__  # type: ignore[assignment]

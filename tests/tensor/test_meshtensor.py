@@ -126,6 +126,17 @@ def test_item_tolist_repr_fetch(procs: ProcMesh, capsys: pytest.CaptureFixture[s
     assert type(value) is torch.Tensor and torch.equal(value, t * 2)
 
 
+def test_repr_is_the_same_inside_and_outside_activate(procs: ProcMesh) -> None:
+    """torch's printing makes tensors of its own: under activate() they stay plain (no nested MeshTensor)."""
+    x = monarch.distribute_tensor(torch.arange(4.0), procs, {"dp": Shard(0)})
+    outside = repr(x)
+    with procs.activate():
+        inside, printed = repr(x), str(x)
+        assert isinstance(torch.ones(2), MeshTensor), "activate() holds after printing"
+    assert outside == inside == printed
+    assert outside.count("MeshTensor(") == 1 and outside.startswith("MeshTensor(tensor([0., 1., 2., 3.])")
+
+
 def test_rank_tensors(procs: ProcMesh) -> None:
     for dim in ("dp", "tp"):
         r = procs.rank(dim)
