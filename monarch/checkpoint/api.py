@@ -127,7 +127,7 @@ def _save_here(templates: dict[str, Any], path: str, final: str) -> Metadata:
     return dcp.FileSystemReader(final).read_metadata()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class SaveFuture:
     """A save in progress (what async_save returns). `get()` waits for every rank's writes, writes the
     metadata and moves the checkpoint into place; a failed write raises CheckpointError here and leaves
@@ -159,6 +159,11 @@ class SaveFuture:
         return self.metadata
 
     result = get  # concurrent.futures' name, which DCP's async_save returns
+
+    def __repr__(self) -> str:
+        """Short: the checkpoint and its state (the metadata and the session stay out of it)."""
+        state = "failed" if self.error is not None else "pending" if self.handle is not None else "done"
+        return f"<SaveFuture {self.final or 'in this process'!r} {state}>"
 
     def _finish(self, handle: MeshTensor, timeout: float | None) -> Metadata:
         s = self.session

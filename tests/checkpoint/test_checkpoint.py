@@ -184,6 +184,15 @@ def test_a_later_save_waits_for_an_async_one(tmp_path: Path) -> None:
     assert (tmp_path / "a" / ".metadata").exists() and fut.get(T) is not None
 
 
+def test_a_save_futures_repr_is_short(tmp_path: Path) -> None:
+    model, opt = build(dpxtp())
+    fut = mcp.async_save(mcp.get_state_dict(model, opt), checkpoint_id=tmp_path / "c")
+    pending = repr(fut)
+    fut.get(T)
+    assert pending == f"<SaveFuture {str(tmp_path / 'c')!r} pending>" and repr(fut).endswith(" done>")
+    assert len(repr(fut)) < 300, repr(fut)[:300]
+
+
 # -- bad input ---------------------------------------------------------------------------------
 def saved(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
     model, opt = build(dpxtp())
