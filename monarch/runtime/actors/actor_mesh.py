@@ -7,6 +7,7 @@ client (`context.client()`), which is how the same reference works on the contro
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
@@ -20,6 +21,8 @@ from monarch.shape import MeshView, Shape
 
 A = TypeVar("A")  # the actor class of an ActorMesh
 R = TypeVar("R")
+HOLDS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # proc mesh id -> what keeps it
+# running while a ProcMesh or ActorMesh of it exists on the client (proc_mesh.Hold)
 
 
 class ActorMesh(MeshView, Generic[A]):
@@ -35,6 +38,7 @@ class ActorMesh(MeshView, Generic[A]):
         self._spawned = shape if spawned is None else spawned  # the whole actor mesh, of which shape is a view
         self._endpoints = endpoints
         self._shape = shape
+        self._hold = HOLDS.get(mesh_id)
         for attr in endpoints & _METHODS:
             setattr(self, attr, EndpointRef(self, attr))
 

@@ -16,7 +16,7 @@ from monarch.errors import MeshError, SpawnError
 from monarch.runtime.actors import requests
 from monarch.runtime.actors.actor_mesh import resolved
 from monarch.runtime.actors.context import context
-from monarch.runtime.actors.proc_mesh import ProcMesh, ask
+from monarch.runtime.actors.proc_mesh import Hold, ProcMesh, ask
 from monarch.runtime.control import launch
 from monarch.runtime.control.client import client
 from monarch.runtime.control.commands import SpawnProcs
@@ -90,9 +90,10 @@ class HostMesh(MeshView):
                             "slice it on the client and pass the slice")
         return HostMesh(hosts, self._launcher.subset(hosts))
 
-    def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str = "procs",
+    def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str | None = None,
                     env: dict[str, str] | None = None, host: str | None = None) -> ProcMesh:
-        """Start one worker per point of `per_host` on every host, as one MPI job.
+        """Start one worker per point of `per_host` on every host, as one MPI job, named `name` (default:
+        procs, procs_1, procs_2, ... in the order they start).
 
         `env` adds environment variables for the workers. `host` is the address the controller's control
         socket binds to for this mesh (default MONARCH_HOST; else loopback for this host alone, and this
@@ -102,9 +103,10 @@ class HostMesh(MeshView):
         """
         shape = self._procs_shape(dict(per_host or {"gpus": 1}))
         _check_local_size(shape, self._local)
-        op = SpawnProcs(name, shape, self._launcher_key(), tuple(env.items()) if env is not None else None, host)
+        op = SpawnProcs(name or "", shape, self._launcher_key(), tuple(env.items()) if env is not None else None,
+                        host)
         info = ask(op).get(config.spawn_timeout() + SPAWN_SLACK_S)
-        procs = ProcMesh(info)
+        procs = ProcMesh(info, hold=Hold(info) if isinstance(client(), Controller) else None)
         self._procs.add(procs)
         for path, reload in self._workspaces:
             procs.sync_workspace(path, reload=reload)

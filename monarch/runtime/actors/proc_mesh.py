@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
@@ -17,7 +19,7 @@ from typing import Any, Literal, TypeVar
 from monarch.errors import MeshError
 from monarch.runtime.actors import supervision  # noqa: F401 - the client's supervision and port routing
 from monarch.runtime.actors import requests
-from monarch.runtime.actors.actor_mesh import ActorMesh, resolved
+from monarch.runtime.actors.actor_mesh import HOLDS, ActorMesh, resolved
 from monarch.runtime.actors.context import context
 from monarch.runtime.actors.endpoint import endpoints_of
 from monarch.runtime.actors.log_options import Applied, logging_option
@@ -70,10 +72,12 @@ class ProcMesh(MeshView):
     (actors/requests.py). On the controller `_mesh` is the job's record; inside an actor it is None.
     """
 
-    def __init__(self, info: ProcsInfo, shape: Shape | None = None, mesh: Mesh | None = None) -> None:
+    def __init__(self, info: ProcsInfo, shape: Shape | None = None, mesh: Mesh | None = None,
+                 hold: Hold | None = None) -> None:
         self._info = info
         self._shape = info.shape if shape is None else shape
         self._mesh = mesh if mesh is not None else _record(info.mesh_id)
+        self._hold = hold or HOLDS.get(info.mesh_id)  # a mesh the client spawned runs while a view holds this
 
     def _with_shape(self, shape: Shape) -> ProcMesh:
         return ProcMesh(self._info, shape, self._mesh)
@@ -177,6 +181,28 @@ class ProcMesh(MeshView):
         state = ("reference" if mesh is None else "failed" if mesh.failure else "stopped" if mesh.stopping
                  else "running")
         return f"<ProcMesh {self.name!r} {self.extent} {state}>"
+
+
+class Hold:
+    """Keeps a proc mesh the client spawned running: every ProcMesh and ActorMesh of it on the client holds
+    it (actor_mesh.HOLDS). When the last of them is gone, the mesh stops, with a one-line warning."""
+
+    def __init__(self, info: ProcsInfo) -> None:
+        HOLDS[info.mesh_id] = self
+        weakref.finalize(self, _unreferenced, info.mesh_id).atexit = False  # at exit, shutdown stops it
+
+
+def _unreferenced(mesh_id: int) -> None:
+    """The last reference to a proc mesh of the client is gone: stop it on a thread (a finalizer runs
+    wherever the collector ran, perhaps while this thread polls)."""
+    ctl = client()
+    mesh = ctl.meshes.get(mesh_id) if isinstance(ctl, Controller) else None
+    if mesh is None or mesh.stopping:
+        return
+    if mesh.live:
+        log.warning("monarch: proc mesh %r is stopped: the last reference to it (a ProcMesh or ActorMesh) is gone; "
+                    "stop meshes with procs.stop() or a `with` block", mesh.name)
+    threading.Thread(target=requests.stop_tree, args=(ctl, mesh), name="monarch-unreferenced", daemon=True).start()
 
 
 def _record(mesh_id: int) -> Mesh | None:

@@ -24,6 +24,7 @@ from monarch.runtime.telemetry.events import RECORDER, now_us
 LOCAL = 0  # the launcher key of this host (`this_host()`, in any process)
 _launchers: dict[int, launch.Launcher] = {}
 _keys = itertools.count(LOCAL + 1)
+_unnamed = itertools.count()  # proc meshes spawned without a name: procs, procs_1, procs_2, ...
 Answer = Callable[[bool, Any], None]
 
 
@@ -77,7 +78,9 @@ def run(ctl: Any, op: Any, owner: Owner | None, answer: Answer) -> None:
 
 
 def _spawn_procs(ctl: Any, op: SpawnProcs, owner: Owner | None) -> ProcsInfo:
-    mesh = ctl.spawn(op.name, op.shape, launcher_of(op.launcher), dict(op.env) if op.env is not None else None,
+    n = next(_unnamed) if not op.name else 0
+    name = op.name or ("procs" if n == 0 else f"procs_{n}")
+    mesh = ctl.spawn(name, op.shape, launcher_of(op.launcher), dict(op.env) if op.env is not None else None,
                      op.host)
     mesh.owner = owner
     return info_of(mesh)

@@ -288,7 +288,8 @@ class GetController:
 @dataclass(frozen=True)
 class SpawnProcs:
     """Mesh request (actors/requests.py): start a proc mesh of `shape` with the launcher kept under key
-    `launcher` (0: this host's); answered with its ProcsInfo. `call_id`/`actor`: who asks, from a worker."""
+    `launcher` (0: this host's); answered with its ProcsInfo. `call_id`/`actor`: who asks, from a worker.
+    An empty `name` is the controller's next default: procs, procs_1, procs_2, ..."""
     name: str
     shape: Shape
     launcher: int

@@ -68,7 +68,7 @@ def _pause_line() -> int:
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[ProcMesh]:
-    with this_host().spawn_procs(per_host={"dp": 2}) as p:
+    with this_host().spawn_procs(per_host={"dp": 2}, name="debuggees") as p:
         yield p
 
 
@@ -86,7 +86,7 @@ def test_list_attach_cast_continue(debugee: ActorMesh, capsys: pytest.CaptureFix
     fn = "test_debugger.to_debug"
     assert [(r.actor_name, r.rank, r.coords, r.function, r.lineno) for r in rows] == [
         ("debugee", 0, {"dp": 0}, fn, _pause_line()), ("debugee", 1, {"dp": 1}, fn, _pause_line())]
-    assert rows[0].endpoint == "to_debug" and rows[0].mesh == "procs" and rows[0].hostname == os.uname().nodename
+    assert rows[0].endpoint == "to_debug" and rows[0].mesh == "debuggees" and rows[0].hostname == os.uname().nodename
     assert rows[0].filename == __file__
     assert dc.list.call_one(print_output=False).get(timeout=T) == rows  # Monarch's way to call it
 

@@ -4,7 +4,10 @@ and actors that spawn actors and proc meshes (the controller records each mesh's
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 import pickle
+import time
 import typing
 
 import cloudpickle
@@ -196,3 +199,38 @@ def test_an_actor_spawns_procs_and_actors_then_calls_them_later(procs: ProcMesh)
     assert not sub.running and sub._mesh.id not in controller().meshes
     with pytest.raises(ActorError, match="stopped"):
         spawner.use.call_one().get(timeout=T)
+
+
+def wait_gone(pids: list[int]) -> bool:
+    deadline = time.monotonic() + T
+    while any(os.path.exists(f"/proc/{p}") and _alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_default_names_are_unique_and_an_unreferenced_mesh_stops(caplog: pytest.LogCaptureFixture) -> None:
+    """As a notebook cell run twice: the first mesh's processes end once nothing refers to it (a ProcMesh or
+    an ActorMesh of it), with one warning naming it; a mesh whose actors are still held keeps running."""
+    first = this_host().spawn_procs(per_host={"gpus": 1})
+    second = this_host().spawn_procs(per_host={"gpus": 2})
+    names, pids = (first.name, second.name), (first.pids, second.pids)
+    assert names[0] != names[1] and all(n == "procs" or n.startswith("procs_") for n in names), names
+    counters = second.spawn("counters", Counter, 0).slice(gpus=1)
+    del first, second
+    gc.collect()
+    assert wait_gone(pids[0]), "the unreferenced mesh's workers still run"
+    assert counters.incr.call_one().get(timeout=T) == 1, "its actors hold the second mesh"
+    del counters
+    gc.collect()
+    assert wait_gone(pids[1])
+    warned = [r.getMessage() for r in caplog.records if "last reference" in r.getMessage()]
+    assert len(warned) == 2 and repr(names[0]) in warned[0] and repr(names[1]) in warned[1], warned

@@ -249,8 +249,8 @@ def test_a_busy_worker_samples_its_memory_every_second(procs: ProcMesh) -> None:
 def test_worker_rows_name_their_mesh(procs: ProcMesh) -> None:
     echo = procs.spawn("telemetry_mesh", Echo)
     echo.ping.call(1).get(timeout=T)
-    assert procs.sql("SELECT DISTINCT mesh FROM messages WHERE actor = 'telemetry_mesh'") == [("procs",)]
-    assert ("procs",) in procs.sql("SELECT DISTINCT mesh FROM memory")
+    assert procs.sql("SELECT DISTINCT mesh FROM messages WHERE actor = 'telemetry_mesh'") == [(procs.name,)]
+    assert (procs.name,) in procs.sql("SELECT DISTINCT mesh FROM memory")
     if not torch.cuda.is_available():  # the workers never touched CUDA
         assert procs.sql("SELECT max(cuda_allocated_bytes), max(cuda_reserved_bytes) FROM memory") == [(0, 0)]
 
