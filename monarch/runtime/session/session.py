@@ -311,7 +311,7 @@ class Fetch:
         values = [state.value(i) for i in range(len(state.raw))]
         if len(self.holders) == 1:
             return values[self.holders[0]]
-        out = torch.empty(self.spec.shape, dtype=self.spec.dtype)
+        out = torch.empty(self.spec.shape, dtype=self.spec.dtype, device="cpu")  # plain, also inside activate()
         coords = list(self.spec.mesh.coords())
         for i in self.holders:
             out[tuple(slice(s, s + n) for s, n in self.spec.bounds(coords[i]))] = values[i]
