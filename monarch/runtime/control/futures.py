@@ -6,6 +6,7 @@ worker) knows how to wait for it. Values stay pickled until the caller reads the
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -18,6 +19,7 @@ from monarch.runtime.telemetry.breakpoints import BREAKPOINTS
 from monarch.shape import MeshView, Point, Shape
 
 R = TypeVar("R")
+NOTICE_AFTER_S = 2.0  # the first wait of the client that lasts this long says what it waits for (once)
 
 
 class Waiter(Protocol):
@@ -123,7 +125,7 @@ class Future(Generic[R]):
 
     def get(self, timeout: float | None = None) -> R:
         if not self._state.done:
-            self._waiter.wait(self._state, deadline_of(timeout), len(self._state.raw))
+            _wait(self._waiter, self._state, deadline_of(timeout))
             if not self._state.done:
                 raise timed_out(self._state, timeout)
         return self._result(self._state)
@@ -143,6 +145,26 @@ class Future(Generic[R]):
 
     def __repr__(self) -> str:
         return f"<Future {self._state.what} {'done' if self.done() else 'pending'}>"
+
+
+_noticed: list[bool] = []
+
+
+def _wait(waiter: Waiter, state: CallState, deadline: float | None) -> None:
+    """Wait for every reply of `state` until `deadline`. On the client, the first wait that lasts over
+    NOTICE_AFTER_S writes one line on stderr first (a mesh's first tensor op waits for its workers to
+    import torch, which can take 10-20 s with nothing else to show)."""
+    n = len(state.raw)
+    if not _noticed and waiter.threaded:
+        soon = time.monotonic() + NOTICE_AFTER_S
+        waiter.wait(state, soon if deadline is None else min(soon, deadline), n)
+        if state.done or (deadline is not None and time.monotonic() >= deadline):
+            return
+        _noticed.append(True)
+        sys.stderr.write(f"monarch: still waiting for {state.what} after {NOTICE_AFTER_S:g} s (workers load torch "
+                         "on their first tensor operation, which can take 10-20 s) ...\n")
+        sys.stderr.flush()
+    waiter.wait(state, deadline, n)
 
 
 def _settle_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:

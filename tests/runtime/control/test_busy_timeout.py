@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from monarch.actor import Actor, ActorMesh, endpoint, this_host
+from monarch.runtime.control import futures
 
 T = 30
 
@@ -67,3 +68,16 @@ def test_a_timeout_with_nothing_ahead_says_only_that(slow: ActorMesh) -> None:
         slow.crunch.call(1.0).get(timeout=0.1)
     assert str(info.value) == "slow.crunch did not answer within 0.1 s"
     assert slow.ping.call().get(timeout=T).values() == ["pong", "pong"]
+
+
+def test_the_first_long_wait_says_once_what_it_waits_for(slow: ActorMesh, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a mesh's first tensor op waits for its workers to import torch: after 2 s, one line on stderr."""
+    monkeypatch.setattr(futures, "_noticed", [])
+    assert slow.crunch.call(0.1).get(timeout=T).values() == [0.1, 0.1]
+    assert "still waiting" not in capsys.readouterr().err, "a short wait says nothing"
+    assert slow.crunch.call(2.5).get(timeout=T).values() == [2.5, 2.5]
+    err = capsys.readouterr().err
+    assert err.count("still waiting") == 1 and "slow.crunch" in err and "after 2 s" in err, err
+    slow.crunch.call(2.5).get(timeout=T)
+    assert "still waiting" not in capsys.readouterr().err, "once"
