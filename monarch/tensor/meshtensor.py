@@ -7,9 +7,10 @@ wrapper holds no storage: only the global shape, stride and dtype, the Spec and 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -30,6 +31,12 @@ class Backend(Protocol):
     def redistribute(self, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor: ...
 
     def fetch(self, t: MeshTensor) -> Any: ...
+
+    def place(self, t: torch.Tensor, placements: tuple[Placement, ...] | None) -> MeshTensor:
+        """A MeshTensor of plain `t`'s data, placed as `placements` (None: replicated)."""
+
+    def rebind(self, target: MeshTensor, source: MeshTensor) -> None:
+        """`target` names `source`'s buffer from now on (with its spec)."""
 
 
 class _NotTraceable:
@@ -103,6 +110,24 @@ class MeshTensor(torch.Tensor):
             return self
         return _Redistribute.apply(self, target)
 
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """`t.data = new` (as `module.to(dtype)`, `.half()` and `.double()` do for a MeshTensor parameter):
+        `t` names `new`'s shards from now on, with its shape and dtype, keeping its own requires_grad. A
+        plain tensor is placed first: like `t` when the shapes agree, else replicated."""
+        if not isinstance(new, MeshTensor):
+            new = self._backend.place(new, self._spec.placements if new.shape == self.shape else None)
+        elif new._backend is not self._backend:
+            raise ShardingError(f"t.data = new: new is a MeshTensor of {new.mesh!r}, not of {self.mesh!r}; "
+                                "a tensor's data cannot move across meshes; assign "
+                                "monarch.distribute_tensor(new.full_tensor(), t.mesh, t.placements)")
+        _TENSOR_DATA.__set__(self, new)
+        self._backend.rebind(self, new)
+
     def __matmul__(self, other: Any) -> Any:
         if batched(self, other):
             return ops.matmul(self, other)
@@ -149,6 +174,7 @@ class MeshTensor(torch.Tensor):
                             "endpoint")
 
 
+_TENSOR_DATA = torch._C.TensorBase.data  # torch's own `.data` (shape, dtype and stride of the wrapper)
 _READS_DATA = frozenset([torch.tensor_split, torch.Tensor.tensor_split])
 _WHOLE: dict[Any, Any] = {  # composite ops that would merge a sharded batch dim with another dim
     torch.nn.functional.linear: ops.linear_call,
@@ -225,6 +251,22 @@ def _refuse_one_graph() -> None:
             "torch.compile(fullgraph=True) cannot capture MeshTensor ops: Dynamo cannot trace them into one "
             "graph (their data lives on the mesh's workers). Use @monarch.compile to record a step once and "
             "replay it, or torch.compile without fullgraph=True, which runs MeshTensor ops eagerly", sys._getframe())
+
+
+def eager_under_torch_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, a monarch entry point that records ops (distribute_tensor, the factories, local_map), as
+    Dynamo must meet it: under `torch.compile(fullgraph=True)` the call raises the TraceError; otherwise
+    Dynamo graph-breaks at the call and runs it eagerly, never tracing the recording machinery (a data
+    parallel model's input hook calls distribute_tensor inside the compiled forward)."""
+    eager = torch.compiler.disable(fn, recursive=True)
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            _refuse_one_graph()
+            return eager(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return entry
 
 
 def _run_eagerly_under_torch_compile(*classes: type) -> None:

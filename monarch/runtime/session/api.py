@@ -25,7 +25,7 @@ from monarch.runtime.control.futures import Future
 from monarch.runtime.engine import kernels
 from monarch.runtime.session import torch_state
 from monarch.runtime.session.session import Session, all_sessions, session_of
-from monarch.tensor.meshtensor import MeshTensor
+from monarch.tensor.meshtensor import MeshTensor, eager_under_torch_compile
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
 from monarch.tensor.spec import Spec
 
@@ -53,6 +53,7 @@ def _dims(shape: Sequence[Any]) -> tuple[int, ...]:
     return tuple(int(n) for n in (shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape))
 
 
+@eager_under_torch_compile
 def full(*shape: Any, fill_value: float, mesh: Any, placements: PlacementsArg = None,
          dtype: torch.dtype | None = None) -> MeshTensor:
     if dtype is None and isinstance(fill_value, bool):
@@ -89,21 +90,25 @@ def _random(kind: str, shape: Sequence[Any], mesh: Any, placements: PlacementsAr
     return _factory(mesh, shape, dtype, placements, make, kind, seeded=True)
 
 
+@eager_under_torch_compile
 def randn(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
           generator: torch.Generator | None = None) -> MeshTensor:
     return _random("randn", shape, mesh, placements, dtype, generator)
 
 
+@eager_under_torch_compile
 def rand(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
          generator: torch.Generator | None = None) -> MeshTensor:
     return _random("rand", shape, mesh, placements, dtype, generator)
 
 
+@eager_under_torch_compile
 def randint(low: int, high: int, shape: Sequence[int], *, mesh: Any, placements: PlacementsArg = None,
             dtype: torch.dtype | None = None, generator: torch.Generator | None = None) -> MeshTensor:
     return _random("randint", shape, mesh, placements, dtype or torch.int64, generator, low=low, high=high)
 
 
+@eager_under_torch_compile
 def arange(start: float, end: float | None = None, step: float = 1, *, mesh: Any, placements: PlacementsArg = None,
            dtype: torch.dtype | None = None) -> MeshTensor:
     if end is None:
@@ -116,6 +121,7 @@ def arange(start: float, end: float | None = None, step: float = 1, *, mesh: Any
     return _factory(mesh, tuple(ref.shape), ref.dtype, placements, make, "arange")
 
 
+@eager_under_torch_compile
 def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg = None) -> MeshTensor:
     """A MeshTensor holding a copy of `tensor`'s data, each rank receiving only its own piece.
 
@@ -150,11 +156,13 @@ def rank(procs: Any, dim: str) -> MeshTensor:
     return arange(n, mesh=procs, placements={dim: Shard(0)})
 
 
+@eager_under_torch_compile
 def fetch(t: MeshTensor) -> Future[torch.Tensor]:
     """A Future of `t.full_tensor()` (everything pending runs)."""
     return t._backend.fetch(t)
 
 
+@eager_under_torch_compile
 def synchronize(procs: Any | None = None, timeout: float | None = None) -> None:
     """Run everything pending on `procs` (or on every running mesh) and raise remote errors."""
     targets = [session_of(procs)] if procs is not None else [s for s in all_sessions() if s.live]
@@ -226,6 +234,7 @@ def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | No
     MeshTensors placed as `out_placements` (one entry per output when fn returns a tuple)."""
     blob, name = codec.dumps(fn), getattr(fn, "__qualname__", repr(fn))
 
+    @eager_under_torch_compile
     def run(*args: Any) -> Any:
         tensors = [a for a in args if isinstance(a, MeshTensor)]
         if not tensors or len(in_placements) != len(args):

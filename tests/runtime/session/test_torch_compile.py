@@ -2,7 +2,9 @@
 eagerly, so a compiled model (forward and backward) and a compiled function give the values eager mode
 gives, in a controller process of their own whose stderr stays clean (no Dynamo warnings, no traceback,
 nothing "ignored" in a destructor). With fullgraph=True, which allows no graph break, the call raises one
-TraceError pointing to monarch.compile, every time, and the same function without it still works.
+TraceError pointing to monarch.compile, every time, and the same function without it still works; also
+where the first MeshTensor is made inside the compiled code (a data-parallel model's input hook, a call
+of monarch.distribute_tensor).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 import textwrap
 
 SCRIPT = """
+import copy
 import torch, monarch
 from monarch.actor import this_host
 
@@ -48,6 +51,21 @@ with this_host().spawn_procs(per_host={"dp": 2, "tp": 2}) as procs:
                 assert "fullgraph=True" in str(e) and "@monarch.compile" in str(e), str(e)
                 assert "from user code" not in str(e), str(e)
         assert same(torch.compile(f)(arg), f(arg))
+    torch.manual_seed(0)  # a data-parallel encoder: its input hook distributes a plain batch inside forward
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    plain = copy.deepcopy(encoder)
+    monarch.data_parallel(encoder, procs, dim="dp")
+    batch = torch.randn(4, 5, 16)
+    for f in (encoder, lambda t: monarch.distribute_tensor(t, procs) * 2):
+        for _ in range(2):
+            try:
+                torch.compile(f, fullgraph=True)(batch)
+                raise AssertionError("fullgraph=True compiled a data-parallel model")
+            except monarch.TraceError as e:
+                assert "@monarch.compile" in str(e), str(e)
+    for _ in range(2):
+        assert torch.allclose(torch.compile(encoder)(batch).full_tensor(timeout=30), plain(batch), atol=1e-5)
     print("OK")
 """
 
