@@ -82,6 +82,7 @@ class Capture:
     sources: dict[int, weakref.ref] = field(default_factory=dict)  # placeholder id -> MeshTensor read
     salt: fx.Node | None = None  # the feed of the per-call salt of the step's random ops, if it has any
     draws: Iterator[int] = field(default_factory=itertools.count)  # numbers the step's random ops
+    on_input: Callable[[MeshTensor], None] | None = None  # told of each MeshTensor read from outside the step
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,8 @@ class Tracer:
             self._inputs[v.id] = node
             if self.capture is not None:
                 self.capture.sources[v.id] = weakref.ref(t)
+                if self.capture.on_input is not None:
+                    self.capture.on_input(t)
         return node
 
     # -- recording -------------------------------------------------------------------------------

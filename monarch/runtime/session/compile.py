@@ -9,26 +9,26 @@ retraces (logged at debug level with the reason).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
-from torch.optim import adam as torch_adam
 
 from monarch import config
 from monarch.errors import TraceError
 from monarch.graph.partition import partition
 from monarch.graph.schedule import overlap
-from monarch.graph.trace import SCALARS, Capture, Tracer
+from monarch.graph.trace import Capture, Tracer
 from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.control.commands import InvokeProgram
+from monarch.runtime.session.guards import CONSTANTS, Guards, Watch, capturable_on_cpu, known_optimizers, \
+    make_capturable
 from monarch.runtime.session.local import LocalMesh
 from monarch.runtime.session.session import Session, all_sessions, session_of
 from monarch.tensor.meshtensor import MeshTensor
@@ -38,7 +38,6 @@ from monarch.tensor.spec import Spec, spec_of
 
 log = logging.getLogger("monarch.compile")
 _pids = itertools.count(1)
-CONSTANTS = (*SCALARS, str, type(None))  # what a program is keyed by the value of
 _LEAVES = (torch.Tensor, *CONSTANTS)
 
 
@@ -63,13 +62,56 @@ class FromState(NamedTuple):
         return self.ref()
 
 
-Input = FromArgument | FromState
+class FromGrad(NamedTuple):
+    """A program input read from a parameter's `.grad` (backward accumulates into it), found through the
+    parameter at each call: gradients come and go (zero_grad), parameters stay. Held weakly."""
+    id: int  # placeholder id
+    param: weakref.ref[MeshTensor]
+    spec: Spec
+
+    def tensor(self, flat: list[Any]) -> MeshTensor | None:
+        p = self.param()
+        return None if p is None else p.grad
+
+
+Input = FromArgument | FromState | FromGrad
 
 
 class Kept(NamedTuple):
     """A result the step leaves in a MeshTensor it does not return (updated parameters, optimizer state)."""
     id: int  # produced id
     ref: weakref.ref[MeshTensor]
+
+    def current(self) -> MeshTensor | None:
+        return self.ref()
+
+    def holder(self) -> Any:
+        return self.ref()
+
+    def bind(self, s: Session, buffer: int) -> None:
+        self.ref()._handle = s.tracer.external(buffer)
+
+
+class KeptGrad(NamedTuple):
+    """A gradient the step leaves in a parameter's `.grad`: in the MeshTensor there, or (after zero_grad set
+    it to None) in a new one, as torch's backward does."""
+    id: int  # produced id
+    param: weakref.ref[MeshTensor]
+    spec: Spec
+
+    def current(self) -> MeshTensor | None:
+        p = self.param()
+        return None if p is None else p.grad
+
+    def holder(self) -> Any:
+        return self.param()
+
+    def bind(self, s: Session, buffer: int) -> None:
+        p = self.param()
+        if p.grad is None:
+            p.grad = MeshTensor(self.spec, s, s.tracer.external(buffer))
+        else:
+            p.grad._handle = s.tracer.external(buffer)
 
 
 @dataclass(frozen=True)
@@ -91,11 +133,13 @@ class Program:
     pid: int
     session: Session
     inputs: tuple[Input, ...]
-    outputs: tuple[Kept, ...]
+    outputs: tuple[Kept | KeptGrad, ...]
     returns: tuple[tuple[int, Spec], ...]              # produced ids of the returned tensors, their specs
     feeds: tuple[tuple[int, int], ...]                 # feed id, argument slot (replicated)
     salt: int | None                                   # feed id of the random ops' per-call salt
     spec: pytree.TreeSpec                              # structure of the return value
+    guards: Guards                                     # the Python state it was recorded with
+    settles: bool = True                               # whether calls may bind as the previous (no gradients)
     settled: Settled | None = None
 
     def stale(self, flat: list[Any]) -> str | tuple[tuple[int, int], ...]:
@@ -126,33 +170,33 @@ class Program:
         returns = [(p, next(s.tracer.ids)) for p, _ in self.returns]
         s.invoke(InvokeProgram(self.pid, inputs, outputs + tuple(returns), feeds(self.feeds, flat, self.salt),
                                s.tracer.take_released()))
-        for t, id in moved:
-            t._handle = s.tracer.external(id)
+        for k, id in moved:
+            k.bind(s, id)
         if settled is not None:
             self.settled = replace(settled, epoch=s.tracer.epoch)
-        elif not moved and all(k.ref() is not None for k in self.outputs):
+        elif not moved and self.settles and all(k.current() is not None for k in self.outputs):
             held = tuple(pair for pair, i in zip(inputs, self.inputs, strict=True) if isinstance(i, FromState))
             self.settled = Settled(s.tracer.epoch, frozenset(b for _, b in held), held, outputs)
         outs = [MeshTensor(spec, s, s.tracer.external(id)) for (_, spec), (_, id) in zip(self.returns, returns,
                                                                                          strict=True)]
         return pytree.tree_unflatten(outs, self.spec)
 
-    def _outputs(self, s: Session) -> tuple[tuple[tuple[int, int], ...], list[tuple[MeshTensor, int]]]:
+    def _outputs(self, s: Session) -> tuple[tuple[tuple[int, int], ...], list[tuple[Kept | KeptGrad, int]]]:
         """Where each kept result goes: into the buffer its MeshTensor holds now, when nothing else
         holds that buffer (parameters and optimizer state are updated in place, no handle changes);
-        else into a new buffer the MeshTensor is moved to."""
+        else into a new buffer the MeshTensor is moved to (or, for a `.grad` that is None, made for)."""
         outputs, moved = [], []
         for k in self.outputs:
-            t = k.ref()
+            t = k.current()
             if t is not None and s.tracer.live.get(t._handle.id) == 1:
                 outputs.append((k.id, t._handle.id))
                 continue
             new = next(s.tracer.ids)
             outputs.append((k.id, new))
-            if t is None:
+            if k.holder() is None:
                 s.tracer.released.append(new)  # nobody keeps it: freed with the next call
             else:
-                moved.append((t, new))
+                moved.append((k, new))
         return tuple(outputs), moved
 
 
@@ -176,42 +220,49 @@ class CompiledStep:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.cache: dict[Any, Program] = {}
+        self.cache: dict[Any, list[Program]] = {}  # signature -> programs, newest last, with their guards
         self.traces = 0
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = list(args) if not kwargs and all(isinstance(a, _LEAVES) for a in args) else \
             pytree.tree_flatten((args, kwargs))[0]
-        state = list(reachable(self.fn, flat))
-        for obj in state:
-            if isinstance(obj, torch.optim.Adam):
-                make_capturable(obj)
-        key = signature(flat, state)
-        program = self.cache.get(key)
-        why = "first call with this signature" if program is None else program.stale(flat)
-        if isinstance(why, tuple):
-            assert program is not None
-            return program.run(flat, why)
-        log.debug("monarch.compile: tracing %s (%s)", getattr(self.fn, "__qualname__", self.fn), why)
-        program, result = self._trace(args, kwargs, flat, home(near(self.fn, flat), state))
-        self.cache[key] = program
+        key = signature(flat, self.fn)
+        programs = self.cache.setdefault(key, [])
+        why: Any = "first call with this signature"
+        for program in reversed(list(programs)):
+            why = program.guards.why_not()
+            if why is None:
+                why = program.stale(flat)
+                if isinstance(why, tuple):
+                    return program.run(flat, why)
+                programs.remove(program)  # an input is gone or placed anew: it never fits again
+        log.debug("monarch.compile: tracing %s (%s)", _name(self.fn), why)
+        reached = near(self.fn, flat)
+        for opt in known_optimizers(reached):
+            if isinstance(opt, torch.optim.Adam):
+                make_capturable(opt)
+        program, result = self._trace(args, kwargs, flat, home(reached))
+        if program is not None:
+            programs[:] = [*programs[1 - _KEEP:], program]
         return result
 
-    def _trace(self, args: tuple, kwargs: dict, flat: list[Any], target: Session) -> tuple[Program, Any]:
+    def _trace(self, args: tuple, kwargs: dict, flat: list[Any], target: Session) -> tuple[Program | None, Any]:
         """Run the step while recording. Plain tensor arguments enter as replicated MeshTensors that
-        each call fills (the step's own code then shards them, e.g. data_parallel's input hook)."""
+        each call fills (the step's own code then shards them, e.g. data_parallel's input hook). No
+        program is kept when the step met an Adam whose step counts were still on the controller."""
         if target.tracer.n_ops:
             target.flush()
         sessions = list(all_sessions())
         fed = [target.tracer.feed(_replicated(t, target), i) if _plain(t) else t for i, t in enumerate(flat)]
         args, kwargs = pytree.tree_unflatten(fed, pytree.tree_flatten((args, kwargs))[1])
-        captures = {s: Capture() for s in sessions}
+        watch = Watch()
+        captures = {s: Capture(on_input=watch.input) for s in sessions}
         before = {s: s.tracer.epoch for s in sessions}
         for s in sessions:
             s.capturing, s.tracer.capture = True, captures[s]
         try:
-            with capturable_on_cpu():
+            with capturable_on_cpu(), watch.hooks():
                 result = self.fn(*args, **kwargs)
         finally:
             for s in sessions:
@@ -219,10 +270,20 @@ class CompiledStep:
         used = [s for s in sessions if s.tracer.epoch != before[s]]
         if used != [target]:
             raise TraceError(f"a monarch.compile'd step must compute on one mesh, that of its arguments, "
-                             f"parameters or optimizer; {getattr(self.fn, '__qualname__', self.fn)} used "
-                             f"{[s.mesh for s in used]}")
+                             f"parameters or optimizer; {_name(self.fn)} used {[s.mesh for s in used]}")
         self.traces += 1
-        return install(target, captures[target], result, flat)
+        program, result = install(target, captures[target], result, flat, watch)
+        for opt in watch.unconverted:
+            make_capturable(opt)
+        watch.refuse_changes(_name(self.fn))  # after the call ran: its MeshTensors are consistent
+        return (None if watch.unconverted else program), result
+
+
+_KEEP = 8  # programs kept per signature (one per state the step met: gradients set or not, hyperparameters)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", fn))
 
 
 def _plain(t: Any) -> bool:
@@ -234,11 +295,12 @@ def _replicated(t: torch.Tensor, s: Session) -> Spec:
     return spec_of(meta, (Replicate(),) * len(s.abstract), s.abstract)
 
 
-def home(near: list[Any], state: list[Any]) -> Session:
+def home(near: list[Any]) -> Session:
     """The session a step computes on: that of the MeshTensors or meshes it reaches (arguments first),
-    else of its parameters (modules and optimizers it reaches), else the only mesh there is."""
-    params = (p for obj in state for p in (obj.parameters() if isinstance(obj, torch.nn.Module) else
-                                           (q for g in obj.param_groups for q in g["params"])))
+    else of the parameters of the modules and optimizers it names, else the only mesh there is."""
+    params = (p for obj in near for p in (obj.parameters() if isinstance(obj, torch.nn.Module) else
+                                          (q for g in obj.param_groups for q in g["params"])
+                                          if isinstance(obj, torch.optim.Optimizer) else ()))
     for t in itertools.chain(near, params):
         if isinstance(t, MeshTensor):
             assert isinstance(t._backend, Session)
@@ -252,7 +314,7 @@ def home(near: list[Any], state: list[Any]) -> Session:
                      "use modules or optimizers whose parameters are MeshTensors")
 
 
-def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Program, Any]:
+def install(s: Session, cap: Capture, result: Any, flat: list[Any], watch: Watch) -> tuple[Program, Any]:
     """Close the recorded graph, install it as a program and run it for this call."""
     returned, spec = pytree.tree_flatten(result)
     if not all(isinstance(t, MeshTensor) for t in returned):
@@ -265,42 +327,65 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any]) -> tuple[Pro
     nodes = list(traced.graph.nodes)
     produced = {i for n in nodes if n.op != "placeholder" for i in n.meta["ids"]}
     slots = {t._handle.id: i for i, t in enumerate(flat) if isinstance(t, MeshTensor)}
-    inputs = tuple(_input(i, slots, cap.sources[i], n.meta["specs"][0])
+    arguments = {id(t) for t in flat}
+    params = [p for p, _ in watch.grads.values() if id(p) not in arguments]
+    owners = {id(g): p for p, g in watch.grads.values() if g is not None and id(p) not in arguments}
+    owners.update((id(p.grad), p) for p in params if p.grad is not None)
+    inputs = tuple(_input(i, slots, cap.sources[i], n.meta["specs"][0], owners)
                    for n in nodes if n.op == "placeholder" for i in n.meta["ids"])
-    mine = {id(t) for t in returned}
-    outputs, seen = [], set()
-    for ref in cap.touched:
-        t = ref()
-        if t is not None and id(t) not in mine and t._handle.id in produced and t._handle.id not in seen:
-            seen.add(t._handle.id)
-            outputs.append(Kept(t._handle.id, weakref.ref(t)))
+    outputs = kept(cap, params, produced, {id(t) for t in returned})
     for t in returned:
         if t._handle.id not in produced:
             raise TraceError("a monarch.compile'd step returned one of its inputs unchanged; return only "
                              "tensors the step computes")
     fed = tuple((n.meta["ids"][0], n.meta["feed"]) for n in nodes if "feed" in n.meta)
     salt = cap.salt.meta["ids"][0] if cap.salt is not None else None
-    program = Program(next(_pids), s, inputs, tuple(outputs), tuple((t._handle.id, t._spec) for t in returned),
-                      fed, salt, spec)
+    grads = any(isinstance(x, (FromGrad, KeptGrad)) for x in (*inputs, *outputs))
+    program = Program(next(_pids), s, inputs, outputs, tuple((t._handle.id, t._spec) for t in returned),
+                      fed, salt, spec, watch.guards(arguments), settles=not grads)
     same = tuple((i.id, i.id) for i in inputs)
-    kept = tuple((k.id, k.id) for k in outputs) + tuple((i, i) for i, _ in program.returns)
-    s.invoke(InvokeProgram(program.pid, same, kept, feeds(fed, flat, salt)), programs)
+    outs = tuple((k.id, k.id) for k in outputs) + tuple((i, i) for i, _ in program.returns)
+    s.invoke(InvokeProgram(program.pid, same, outs, feeds(fed, flat, salt)), programs)
     # buffers released while tracing live outside the program's own namespace: free them after it ran
     s.tracer.released.extend(i for i in traced.released if i not in produced)
     return program, result
 
 
-def _input(id: int, slots: dict[int, int], source: weakref.ref[MeshTensor], spec: Spec) -> Input:
-    """Placeholder `id`: filled by an argument when one holds it, else by the MeshTensor it was read
-    from. Its spec is the object that MeshTensor holds now when equal (later checks are identity tests)."""
+def kept(cap: Capture, params: list[MeshTensor], produced: set[int], returned: set[int]) -> tuple[Kept | KeptGrad, ...]:
+    """The results the step leaves behind: the gradients of the parameters it read, then every other
+    MeshTensor it made or rebound that is still alive and not returned."""
+    out: list[Kept | KeptGrad] = []
+    seen: set[int] = set()
+    for p in params:
+        g = p.grad
+        if isinstance(g, MeshTensor) and g._handle.id in produced and id(g) not in returned:
+            seen.add(g._handle.id)
+            out.append(KeptGrad(g._handle.id, weakref.ref(p), g._spec))
+    for ref in cap.touched:
+        t = ref()
+        if t is not None and id(t) not in returned and t._handle.id in produced and t._handle.id not in seen:
+            seen.add(t._handle.id)
+            out.append(Kept(t._handle.id, weakref.ref(t)))
+    return tuple(out)
+
+
+def _input(i: int, slots: dict[int, int], source: weakref.ref[MeshTensor], spec: Spec,
+           owners: dict[int, MeshTensor]) -> Input:
+    """Placeholder `i`: filled by an argument when one holds it, else through the parameter whose `.grad`
+    it was read from, else by the MeshTensor it was read from. Its spec is the object that MeshTensor
+    holds now when equal (later checks are identity tests)."""
     t = source()
     if t is not None and t._spec == spec:
         spec = t._spec
-    return FromArgument(id, slots[id], spec) if id in slots else FromState(id, source, spec)
+    if i in slots:
+        return FromArgument(i, slots[i], spec)
+    owner = owners.get(id(t))
+    return FromState(i, source, spec) if owner is None else FromGrad(i, weakref.ref(owner), spec)
 
 
-def signature(flat: list[Any], state: list[Any]) -> tuple[Any, ...]:
-    """What a cached program depends on besides the buffers it reads."""
+def signature(flat: list[Any], fn: Callable[..., Any]) -> tuple[Any, ...]:
+    """What a cached program depends on besides the buffers it reads and the state its guards check:
+    the arguments, and the Python scalars the step's own code reads from its closure and globals."""
     parts: list[Any] = []
     for a in flat:
         if isinstance(a, MeshTensor):
@@ -311,41 +396,24 @@ def signature(flat: list[Any], state: list[Any]) -> tuple[Any, ...]:
             parts.append((type(a), a))
         else:
             parts.append(("object", id(a)))
-    for obj in state:
-        parts.append(_state_of(obj))
+    parts.append(tuple((type(v), v) if isinstance(v, CONSTANTS) else None for v in _named(fn)))
     return tuple(parts)
 
 
-def _state_of(obj: Any) -> Any:
-    if isinstance(obj, torch.optim.Optimizer):
-        groups = tuple(tuple((k, v) for k, v in g.items() if k != "params" and isinstance(v, (*CONSTANTS, tuple)))
-                       for g in obj.param_groups)
-        state = obj.state
-        params = tuple((p.grad is None, len(state[p]) if p in state else 0)
-                       for g in obj.param_groups for p in g["params"])
-        return ("optimizer", id(obj), groups, params)
-    return ("module", id(obj), obj.training)  # its parameters' gradients count with their optimizer
-
-
 def near(fn: Callable[..., Any], flat: list[Any]) -> list[Any]:
-    """What the step can reach: its arguments, closure cells and the globals it names."""
-    candidates = list(flat)
-    candidates += [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+    """Where the step's mesh may be found: its arguments, closure cells and the globals it names."""
+    return [*flat, *_named(fn)]
+
+
+def _named(fn: Callable[..., Any]) -> list[Any]:
+    """The step's closure cells, the globals its code names, and the object of a bound method."""
+    found = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
     code, env = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
     if code is not None:
-        candidates += [env[n] for n in code.co_names if n in env]
+        found += [env[n] for n in code.co_names if n in env]
     if hasattr(fn, "__self__"):
-        candidates.append(fn.__self__)
-    return candidates
-
-
-def reachable(fn: Callable[..., Any], flat: list[Any]) -> Iterator[Any]:
-    """The optimizers and modules the step can reach."""
-    seen: set[int] = set()
-    for obj in near(fn, flat):
-        if isinstance(obj, (torch.optim.Optimizer, torch.nn.Module)) and id(obj) not in seen:
-            seen.add(id(obj))
-            yield obj
+        found.append(fn.__self__)
+    return found
 
 
 def _filled(cell: Any) -> bool:
@@ -354,56 +422,6 @@ def _filled(cell: Any) -> bool:
     except ValueError:
         return False
     return True
-
-
-def make_capturable(opt: torch.optim.Adam) -> None:
-    """Adam keeps its step count on the controller unless capturable; a compiled step needs it as a
-    replicated MeshTensor, so that bias corrections are computed by the program, not baked into it."""
-    from monarch.runtime.session.api import distribute_tensor
-    if getattr(opt, "_monarch_steps", -1) == len(opt.state):
-        return  # every state present was converted already
-    for group in opt.param_groups:
-        params = [p for p in group["params"] if isinstance(p, MeshTensor)]
-        if not params:
-            continue
-        group["capturable"] = True
-        for p in params:
-            st = opt.state.get(p)
-            if st and "step" in st and not isinstance(st["step"], MeshTensor):
-                st["step"] = distribute_tensor(st["step"].to(torch.float32), p.mesh)
-    opt._monarch_steps = len(opt.state)  # type: ignore[attr-defined]
-    _step_eagerly_too(opt)
-
-
-def _step_eagerly_too(opt: torch.optim.Optimizer) -> None:
-    """A capturable optimizer must also step outside a compiled step (eagerly, after a resume): this one
-    optimizer's `step` runs under capturable_on_cpu(), other optimizers keep torch's check."""
-    if "step" in vars(opt):
-        return
-    own = opt.step
-
-    @functools.wraps(own)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        with capturable_on_cpu():
-            return own(*args, **kwargs)
-    opt.step = step  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def capturable_on_cpu() -> Iterator[None]:
-    """The hook under which a step is recorded: capturable Adam (and AdamW) checks that parameters and
-    step counts are on a device `torch.optim.adam._get_capturable_supported_devices()` names, and
-    MeshTensors report cpu (their step counts are MeshTensors that make_capturable made). While the
-    step runs, that function also names cpu; torch's own is put back after, also when the step raises."""
-    own = torch_adam._get_capturable_supported_devices
-
-    def supported(*a: Any, **kw: Any) -> list[str]:
-        return [*own(*a, **kw), "cpu"]
-    torch_adam._get_capturable_supported_devices = supported  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch_adam._get_capturable_supported_devices = own
 
 
 def compile(fn: Callable[..., Any]) -> CompiledStep:  # noqa: A001 - the public name is monarch.compile
