@@ -4,22 +4,30 @@ A supervision event (an actor that failed and stopped, a worker process that die
 what failed: the actor that spawned it gets `__supervise__(failure)` on its rank (a truthy result handles
 it; otherwise its worker escalates it to that actor's owner), and what the client spawned ends at the
 root, where `monarch.actor.unhandled_fault_hook(failure)` runs, looked up when it runs so that a client
-can replace it. Monarch's default writes the report and exits the client with status 1: this one
-delivers KeyboardInterrupt to the main thread (the interpreter can only finish there) and exits with
-the hook's SystemExit code. Each owner hears of each failed rank once.
+can replace it. Each owner hears of each failed rank once.
+
+Monarch's default hook ends the client (status 1). Here the fault is delivered where the program can see
+it: calls waiting on the failed rank (every rank, when a process died) raise SupervisionError, and once
+monarch raised that error to the program, the fault was delivered (caught, the client goes on; uncaught,
+the program ends with it). Otherwise the main thread is interrupted at a safe point: a knock signal whose
+handler acts only where no frame of monarch is on the main thread's stack (else it knocks again), prints
+the report once and raises SystemExit, or, inside an IPython cell, KeyboardInterrupt (the cell stops, the
+kernel lives; with no cell running, the report is printed and nothing is interrupted).
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal
 import socket
 import sys
 import threading
+from dataclasses import dataclass, field
 from datetime import datetime
+from types import FrameType
 from typing import Any
 
+from monarch.errors import SupervisionError
 from monarch.runtime.control import codec
 from monarch.runtime.control import controller as ctl_module
 from monarch.runtime.control.commands import ActorFault, Escalate, MeshFailure, Owner, PortSend, Reply, Supervise
@@ -27,18 +35,34 @@ from monarch.runtime.telemetry.events import RECORDER, now_us
 
 log = logging.getLogger("monarch")
 _told: set[tuple[str, str, int, Owner | None]] = set()
-_exit_code: list[int] = []
+KNOCK = signal.SIGRTMIN + 5  # what the main thread gets while an unhandled fault waits for a safe point
+KNOCK_EVERY_S = 0.02
+_MONARCH = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep  # monarch's own frames
 
 
 def unhandled_fault_hook(failure: MeshFailure) -> None:
     """What the client does with a supervision event nobody handled (replace it as
-    `monarch.actor.unhandled_fault_hook = f`): the default writes the report and exits with status 1. A
-    replacement that returns drops the event; one that raises exits (with its SystemExit code, else 1)."""
-    sys.stderr.write(f"Unhandled monarch error on the root actor, hostname={socket.gethostname()}, PID={os.getpid()} "
-                     f"at time {datetime.now()}: {failure.report()}\n"
-                     "Delivering KeyboardInterrupt to main thread to exit the program\n")
-    sys.stderr.flush()
-    sys.exit(1)
+    `monarch.actor.unhandled_fault_hook = f`): the default ends the client with status 1 (raising
+    SystemExit(1) here; the module doc says where). A replacement that returns drops the event; one that
+    raises ends the client the same way (with its SystemExit code, else 1)."""
+    raise SystemExit(1)
+
+
+@dataclass
+class Fault:
+    """An unhandled fault of one actor mesh (or proc mesh, when a process died), until it is delivered
+    (its error was raised to the program) or it ended the client."""
+    failure: MeshFailure
+    code: int
+    error: SupervisionError
+    settled: threading.Event = field(default_factory=threading.Event)
+
+    def delivered(self) -> bool:
+        return self.error.__traceback__ is not None
+
+
+_faults: dict[tuple[str, str], Fault] = {}  # (proc mesh name, actor mesh name or "") -> its fault
+_lock = threading.Lock()
 
 
 def route(ctl: Any, failure: MeshFailure, owner: Owner | None) -> None:
@@ -49,37 +73,109 @@ def route(ctl: Any, failure: MeshFailure, owner: Owner | None) -> None:
     _told.add(key)
     target = ctl.meshes.get(owner.mesh_id) if owner is not None else None
     if owner is None or target is None or not target.live:
-        threading.Thread(target=_run_hook, args=(failure,), name="monarch-unhandled-fault", daemon=True).start()
+        threading.Thread(target=_run_hook, args=(ctl, failure), name="monarch-unhandled-fault", daemon=True).start()
         return
     ctl.send_each(target.id, {owner.rank: codec.encode_frame([Supervise(failure, owner.actor)])}, 0, None,
                   "a supervision event")
 
 
-def _run_hook(failure: MeshFailure) -> None:
+def _run_hook(ctl: Any, failure: MeshFailure) -> None:
     hook = getattr(sys.modules.get("monarch.actor"), "unhandled_fault_hook", unhandled_fault_hook)
     try:
         hook(failure)
     except SystemExit as e:
-        _exit_client(e.code if isinstance(e.code, int) else 1)
+        _unhandled(ctl, failure, e.code if isinstance(e.code, int) else 1)
     except BaseException as e:  # noqa: BLE001 - a hook that fails leaves the fault unhandled
-        log.error("monarch: unhandled_fault_hook raised %r on %s; exiting with status 1", e, failure.message())
-        _exit_client(1)
+        log.error("monarch: unhandled_fault_hook raised %r on %s; ending the client", e, failure.message())
+        _unhandled(ctl, failure, 1)
     else:
         log.warning("monarch: unhandled supervision event dropped by unhandled_fault_hook: %s", failure.message())
 
 
-def _exit_client(code: int) -> None:
-    _exit_code[:] = [code]
-    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+def _unhandled(ctl: Any, failure: MeshFailure, code: int) -> None:
+    """Fail the calls waiting on the failed rank with the fault's SupervisionError, then knock until the
+    fault is delivered or ends the client. Later ranks of an actor mesh already known share its fault."""
+    mesh = next((m for m in list(ctl.meshes.values()) if m.name == failure.mesh), None)
+    with _lock:
+        fault = _faults.get((failure.mesh, failure.actor))
+        new = fault is None
+        if new:
+            error = mesh.failure if mesh is not None and mesh.failure is not None and not failure.actor else \
+                SupervisionError(failure.report(), rank=failure.rank, coords=failure.coords, status=failure.status)
+            fault = _faults[(failure.mesh, failure.actor)] = Fault(failure, code, error)
+    if mesh is not None and failure.actor:
+        for state in list(mesh.pending.values()):
+            if getattr(state, "actor", None) == (mesh.id, failure.actor) and failure.rank in state.missing():
+                state.deliver(failure.rank, False, fault.error)
+    if new:
+        _knock(fault)
 
 
-@atexit.register
-def _exit_status() -> None:
-    """Registered before the client's other exit handlers, so it runs after them: the status of the exit."""
-    if _exit_code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_exit_code[0])
+def _knock(fault: Fault) -> None:
+    """Signal the main thread until `fault` is settled; with an idle IPython shell, report it at once."""
+    main = threading.main_thread()
+    if signal.getsignal(KNOCK) is not _on_knock:  # monarch was first imported off the main thread
+        _report([fault], "KeyboardInterrupt is delivered to the main thread")
+        signal.pthread_kill(main.ident or 0, signal.SIGINT)
+        return
+    while not fault.settled.is_set() and main.is_alive():
+        if fault.delivered():
+            fault.settled.set()
+        elif _shell() and not _in_cell(sys._current_frames().get(main.ident or 0)):
+            _report([fault], "No cell was running, so none was interrupted")
+        else:
+            signal.pthread_kill(main.ident or 0, KNOCK)
+            fault.settled.wait(KNOCK_EVERY_S)
+
+
+def _on_knock(signum: int, frame: FrameType | None) -> None:
+    """In the main thread: end the client for the unsettled faults, if this is a safe point."""
+    faults = [f for f in list(_faults.values()) if not f.settled.is_set() and not f.delivered()]
+    if not faults or _inside_monarch(frame):
+        return
+    if not _shell():
+        _report(faults, f"The program exits with status {faults[0].code}")
+        raise SystemExit(faults[0].code)
+    if _in_cell(frame):
+        _report(faults, "The cell was interrupted (the kernel keeps running; spawn a new proc mesh to continue)")
+        raise KeyboardInterrupt
+
+
+def _report(faults: list[Fault], outcome: str) -> None:
+    """Write the report of each fault on stderr, once: they are settled."""
+    for fault in faults:
+        fault.settled.set()
+        sys.stderr.write(f"Unhandled monarch error on the root actor, hostname={socket.gethostname()}, "
+                         f"PID={os.getpid()} at time {datetime.now()}: {fault.failure.report()}\n")
+    sys.stderr.write(f"{outcome}.\n")
+    sys.stderr.flush()
+
+
+def _frames(frame: FrameType | None) -> list[FrameType]:
+    found = []
+    while frame is not None:
+        found.append(frame)
+        frame = frame.f_back
+    return found
+
+
+def _inside_monarch(frame: FrameType | None) -> bool:
+    return any(f.f_code.co_filename.startswith(_MONARCH) for f in _frames(frame))
+
+
+def _shell() -> bool:
+    """Whether this process is an IPython shell (a Jupyter kernel, or IPython's terminal)."""
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and ipython.get_ipython() is not None
+
+
+def _in_cell(frame: FrameType | None) -> bool:
+    """Whether the main thread (at `frame`) runs a cell: IPython's run_code is on its stack."""
+    return any(f.f_code.co_name == "run_code" and "IPython" in f.f_code.co_filename for f in _frames(frame))
+
+
+if threading.current_thread() is threading.main_thread():
+    signal.signal(KNOCK, _on_knock)
 
 
 # -- the controller's handlers ---------------------------------------------------------------------

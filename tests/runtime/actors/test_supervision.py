@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from monarch.actor import Actor, MeshFailure, endpoint, this_host
 from monarch.errors import SpawnError, SupervisionError
 
 T = 30
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow  # each test starts its own meshes; `pytest -m "not slow"` skips them
 
 
@@ -161,3 +164,97 @@ def kill_when_up_and_expect_no_workers(child: subprocess.Popen, within: float) -
     while owned_processes(child.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not owned_processes(child.pid), owned_processes(child.pid)
+
+
+def run_client(body: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `body` (dedented) as a client process with Monarch's default unhandled_fault_hook."""
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(body), *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return done, time.monotonic() - t0
+
+
+ACTORS = """
+    import os, signal, sys, time
+    from monarch.actor import Actor, endpoint, this_host
+    from monarch.errors import SupervisionError
+
+    class Worker(Actor):
+        @endpoint
+        def pid(self) -> int:
+            return os.getpid()
+
+        @endpoint
+        def sleep(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+        @endpoint
+        def fail(self) -> None:
+            raise ValueError("unhandled on purpose")
+"""
+
+
+def test_a_pending_call_raises_the_fault_and_catching_it_keeps_the_client() -> None:
+    """A worker killed under a pending get(): the get raises SupervisionError; the program catches it, so
+    the fault was delivered and the client goes on (later calls on the mesh still raise)."""
+    done, _ = run_client(ACTORS + """
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    workers = procs.spawn("workers", Worker)
+    pids = workers.pid.call().get(timeout=30).values()
+    pending = workers.sleep.call(60)
+    os.kill(pids[1], signal.SIGKILL)
+    try:
+        pending.get(timeout=30)
+    except SupervisionError as e:
+        print("caught rank", e.rank, flush=True)
+    time.sleep(1)
+    try:
+        workers.pid.call().get(timeout=30)
+    except SupervisionError:
+        print("still failed", flush=True)
+    fresh = this_host().spawn_procs(per_host={"gpus": 1})
+    print("fresh", fresh.spawn("w", Worker).sleep.call_one(0).get(timeout=30), flush=True)
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:3] == ["caught rank 1", "still failed", "fresh 0"], done.stdout
+    assert "Unhandled monarch error" not in done.stderr, done.stderr[-3000:]
+
+
+def test_an_unhandled_fault_ends_the_client_once_it_is_out_of_monarch_code() -> None:
+    """The fault arrives while the main thread waits in a call on another mesh: that call returns its value,
+    then the client exits (status 1) at the next user statement, with one report for both failed ranks."""
+    done, _ = run_client(ACTORS + """
+    victims = this_host().spawn_procs(per_host={"gpus": 2}, name="victims")
+    sleeper = this_host().spawn_procs(per_host={"gpus": 1}).spawn("sleeper", Worker)
+    victims.spawn("bad", Worker).fail.broadcast()
+    print("got", sleeper.sleep.call_one(2).get(timeout=30), flush=True)
+    time.sleep(20)
+    print("survived", flush=True)
+    """)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "got 2" in done.stdout and "survived" not in done.stdout, done.stdout
+    assert done.stderr.count("Unhandled monarch error") == 1, done.stderr[-3000:]
+    assert "unhandled on purpose" in done.stderr and "The program exits with status 1" in done.stderr
+
+
+IPYTHON = ACTORS + """
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    cells = ['procs = this_host().spawn_procs(per_host={"gpus": 1})',
+             'procs.spawn("bad", Worker).fail.broadcast()\\ntime.sleep(20)\\nprint("cell 2 finished")',
+             'print("alive", procs.spawn("good", Worker).sleep.call_one(0).get(timeout=30))']
+    shell.user_ns.update(Worker=Worker, this_host=this_host, time=time)
+    for cell in cells:
+        result = shell.run_cell(cell)
+        print("cell:", type(result.error_in_exec).__name__, flush=True)
+"""
+
+
+def test_in_ipython_an_unhandled_fault_interrupts_the_cell_and_the_kernel_lives() -> None:
+    done, _ = run_client(IPYTHON)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln for ln in done.stdout.split("\n") if ln.startswith(("cell", "alive"))]
+    assert lines == ["cell: NoneType", "cell: KeyboardInterrupt", "alive 0", "cell: NoneType"], done.stdout
+    assert done.stderr.count("Unhandled monarch error") == 1 and "The cell was interrupted" in done.stderr
+    assert "exits" not in done.stderr, done.stderr[-3000:]
