@@ -55,10 +55,16 @@ class Fault:
     failure: MeshFailure
     code: int
     error: SupervisionError
+    mesh: Any  # the controller's record of the failed proc mesh, if it still has one
     settled: threading.Event = field(default_factory=threading.Event)
 
     def delivered(self) -> bool:
-        return self.error.__traceback__ is not None
+        """Whether monarch raised the fault's error to the program (a call of it raised SupervisionError)."""
+        if self.error.__traceback__ is None:
+            return False
+        if self.mesh is not None:
+            self.mesh.unhandled.pop(self.failure.actor, None)
+        return True
 
 
 _faults: dict[tuple[str, str], Fault] = {}  # (proc mesh name, actor mesh name or "") -> its fault
@@ -93,22 +99,30 @@ def _run_hook(ctl: Any, failure: MeshFailure) -> None:
 
 
 def _unhandled(ctl: Any, failure: MeshFailure, code: int) -> None:
-    """Fail the calls waiting on the failed rank with the fault's SupervisionError, then knock until the
-    fault is delivered or ends the client. Later ranks of an actor mesh already known share its fault."""
+    """Fail the calls waiting on the failed rank with the fault's SupervisionError (and the next call of a
+    failed actor mesh), then knock until the fault is delivered or ends the client. Later ranks of an actor
+    mesh share its fault."""
     mesh = next((m for m in list(ctl.meshes.values()) if m.name == failure.mesh), None)
     with _lock:
         fault = _faults.get((failure.mesh, failure.actor))
         new = fault is None
-        if new:
-            error = mesh.failure if mesh is not None and mesh.failure is not None and not failure.actor else \
-                SupervisionError(failure.report(), rank=failure.rank, coords=failure.coords, status=failure.status)
-            fault = _faults[(failure.mesh, failure.actor)] = Fault(failure, code, error)
+        if fault is None:
+            fault = _faults[(failure.mesh, failure.actor)] = Fault(failure, code, _error(failure, mesh), mesh)
+            if mesh is not None and failure.actor:
+                mesh.unhandled[failure.actor] = fault.error  # the next call of that actor mesh raises it
     if mesh is not None and failure.actor:
         for state in list(mesh.pending.values()):
             if getattr(state, "actor", None) == (mesh.id, failure.actor) and failure.rank in state.missing():
                 state.deliver(failure.rank, False, fault.error)
     if new:
         _knock(fault)
+
+
+def _error(failure: MeshFailure, mesh: Any) -> SupervisionError:
+    """What the program gets for `failure`: the mesh's own error when its process died, else the report."""
+    if mesh is not None and mesh.failure is not None and not failure.actor:
+        return mesh.failure
+    return SupervisionError(failure.report(), rank=failure.rank, coords=failure.coords, status=failure.status)
 
 
 def _knock(fault: Fault) -> None:

@@ -148,6 +148,7 @@ class Mesh:
         self.kill_signal = signal.SIGKILL  # what the job gets when the mesh fails (the launcher's choice)
         self.settled = threading.Event()  # every worker said hello, or the mesh failed
         self.failure: SupervisionError | None = None
+        self.unhandled: dict[str, SupervisionError] = {}  # actor mesh -> the fault its next call raises (supervision)
         self.stopping = False
         self.lost: dict[int, float] = {}  # rank -> deadline for its monitor's exit report
         self.stderr_tail: deque[str] = deque(maxlen=40)

@@ -85,8 +85,9 @@ class Controller:
         self.check_frame(mesh, frame, f"a call of {call.actor}.{call.endpoint} (with its pickled arguments)")
         if state is not None:
             mesh.pending[(CONTROLLER, call.call_id)] = state
-        if mesh.failure is not None or mesh.stopping:
-            err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} is stopped; spawn a new one")
+        err = mesh.failure or mesh.unhandled.pop(call.actor, None)
+        if err is not None or mesh.stopping:
+            err = err or SupervisionError(f"mesh {mesh.name!r} is stopped; spawn a new one")
             if state is None:
                 raise err
             state.fail_missing(err)

@@ -258,3 +258,24 @@ def test_in_ipython_an_unhandled_fault_interrupts_the_cell_and_the_kernel_lives(
     assert lines == ["cell: NoneType", "cell: KeyboardInterrupt", "alive 0", "cell: NoneType"], done.stdout
     assert done.stderr.count("Unhandled monarch error") == 1 and "The cell was interrupted" in done.stderr
     assert "exits" not in done.stderr, done.stderr[-3000:]
+
+
+def test_the_next_call_of_a_failed_actor_mesh_raises_the_fault_first() -> None:
+    """The fault arrives while the main thread waits on another mesh; the program's next call is on the
+    failed actors: it raises SupervisionError with the report, the program catches it, the client goes on."""
+    done, _ = run_client(ACTORS + """
+    bad = this_host().spawn_procs(per_host={"gpus": 2}, name="victims").spawn("bad", Worker)
+    sleeper = this_host().spawn_procs(per_host={"gpus": 1}).spawn("sleeper", Worker)
+    bad.fail.broadcast()
+    got = sleeper.sleep.call_one(2).get(timeout=30)
+    try:
+        bad.pid.call().get(timeout=30)
+    except SupervisionError as e:
+        caught = "unhandled on purpose" in str(e)
+    print("got", got, "caught", caught, flush=True)
+    time.sleep(1)
+    print("survived", flush=True)
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["got 2 caught True", "survived"], done.stdout
+    assert "Unhandled monarch error" not in done.stderr, done.stderr[-3000:]
