@@ -139,9 +139,16 @@ class Session:
         without a copy: when their specs match and no view shares target's storage. Whether it did."""
         if target._spec != source._spec or target._handle.aliased() or source._handle.aliased():
             return False
-        target._handle = source._handle
-        self.tracer.epoch += 1  # a compiled step's settled buffers are stale now
+        self.rebind(target, source)
         return True
+
+    def rebind(self, target: MeshTensor, source: MeshTensor) -> None:
+        target._spec, target._handle = source._spec, source._handle
+        self.tracer.epoch += 1  # a compiled step's settled buffers are stale now
+
+    def place(self, t: torch.Tensor, placements: tuple[Placement, ...] | None) -> MeshTensor:
+        replicated = self.tracer._constants(t.detach())
+        return replicated if placements is None else self.redistribute(replicated, placements)
 
     def values(self, handle: MeshTensor) -> Future[list[Any]]:
         """Every rank's value of an `on_ranks` result, in rank order (a sync point)."""
