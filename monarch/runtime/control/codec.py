@@ -3,15 +3,20 @@
 A connection opens with a fixed-size raw header (magic, mesh id, role, rank, token) that is checked
 before anything is decoded; then frames of `!I` length + a pickled list of messages follow, at most
 MONARCH_MAX_FRAME bytes (a receiver drops a connection that sends more, so senders refuse). User payloads
-use plain pickle when they are plain data and cloudpickle otherwise (classes defined in `__main__`).
+use plain pickle when they are plain data and cloudpickle otherwise (classes defined in `__main__`); code
+pickled by value keeps its file name and brings that file's lines, for tracebacks and pdb on the workers.
 """
 from __future__ import annotations
 
 import hmac
+import io
+import linecache
 import pickle
 import socket
 import struct
 import time
+import types
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,6 +32,7 @@ _LEN = struct.Struct("!I")
 ROLE_WORKER, ROLE_MONITOR = 0, 1
 RECV_BYTES = 65536  # per recv call; larger buffers cost an mmap per call
 _PLAIN = (int, float, str, bytes, bool, type(None))
+SOURCE_LIMIT = 1 << 20  # bytes: a larger source file does not travel with its code
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,35 @@ def dumps(obj: Any) -> bytes:
     """Pickle a user payload: plain pickle for plain data, cloudpickle for code and `__main__` classes."""
     if _is_plain(obj):
         return pickle.dumps(obj, protocol=5)
-    return cloudpickle.dumps(obj, protocol=5)
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=5).dump(obj)
+    return buf.getvalue()
+
+
+def _code_reduce(code: types.CodeType) -> tuple[Any, tuple[Any, ...]]:
+    """cloudpickle's reduction of a code object (which names its file `<dynamic-code>`), with the real file
+    name and that file's lines: one list per file, which the pickle memo sends once."""
+    make, args = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
+    name = code.co_filename
+    lines = linecache.getlines(name)
+    entry = linecache.cache.get(name)
+    if entry is None or len(entry) < 4 or entry[0] > SOURCE_LIMIT:
+        lines = []
+    return _code_with_source, (make, tuple(name if a == "<dynamic-code>" else a for a in args), name, lines)
+
+
+def _code_with_source(make: Callable[..., types.CodeType], args: tuple[Any, ...], name: str,
+                      lines: list[str]) -> types.CodeType:
+    """Unpickle a code object; its file's lines go into linecache (never checked against a file: mtime
+    None), so tracebacks and pdb here show the source of a `__main__` class or a notebook cell."""
+    if lines:
+        linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+    return make(*args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, with code objects reduced by `_code_reduce`."""
+    dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
 
 
 def dumps_data(obj: Any) -> bytes:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from monarch.actor import (Actor, ActorError, ActorMesh, ProcMesh, SupervisionEr
                            endpoint, this_host)
 
 T = 30  # seconds: generous bound for every wait
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class Debugee(Actor):
@@ -225,3 +227,49 @@ def test_the_monarch_debug_command(debugee: ActorMesh) -> None:
     out = _monarch_debug("attach nobody 5\ncontinue\n")
     assert "no paused rank nobody 5" in out.stdout and "continued 2 paused rank(s)" in out.stdout, out.stdout
     assert fut.get(timeout=T).values() == [1002, 1012]
+
+
+MAIN_ACTOR = '''
+from monarch.actor import Actor, ActorError, debug_controller, endpoint, this_host
+
+class Main(Actor):
+    @endpoint
+    def fail(self) -> None:
+        raise ValueError("raised in a class of __main__")
+
+    @endpoint
+    def pause(self) -> int:
+        breakpoint()  # paused in a class of __main__
+        return 1
+
+procs = this_host().spawn_procs(per_host={"dp": 1})
+main = procs.spawn("main", Main)
+try:
+    main.fail.call_one().get(timeout=30)
+except ActorError as e:
+    print("TRACEBACK", e.remote_traceback)
+fut = main.pause.call_one()
+dc = debug_controller()
+dc.wait_pending_session(1, timeout=30)
+print("LISTING", dc.run("attach main 0", timeout=30), dc.run("l", timeout=30))
+dc.run("continue", timeout=30)
+print("RESULT", fut.get(timeout=30))
+procs.stop()
+'''
+IN_A_CELL = "from IPython.core.interactiveshell import InteractiveShell\nInteractiveShell.instance().run_cell({!r})\n"
+
+
+@pytest.mark.parametrize("where", ["script", "notebook cell"])
+def test_tracebacks_and_pdb_show_the_source_of_a_main_class(tmp_path: Path, where: str) -> None:
+    """A class of `__main__` (a script, or a notebook cell) travels by value: its source comes along, so
+    remote tracebacks and pdb on the workers show its lines (not `<dynamic-code>`, not `[EOF]`)."""
+    script = tmp_path / "client.py"
+    script.write_text(MAIN_ACTOR if where == "script" else IN_A_CELL.format(MAIN_ACTOR))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = done.stdout
+    assert "RESULT 1" in out, (out[-3000:], done.stderr[-3000:])
+    traceback, listing = out.split("TRACEBACK", 1)[1].split("LISTING", 1)
+    assert 'raise ValueError("raised in a class of __main__")' in traceback and "<dynamic-code>" not in traceback, \
+        traceback
+    assert "breakpoint()  # paused in a class of __main__" in listing and "[EOF]" not in listing, listing
