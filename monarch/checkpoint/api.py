@@ -4,13 +4,16 @@ The controller plans and writes nothing itself: each rank writes the pieces it w
 temporary directory beside `checkpoint_id`, the mesh's first rank writes DCP's `.metadata` there and
 renames the directory into place. A state dict with no MeshTensor is saved and loaded by plain
 `torch.distributed.checkpoint` in this process. `Stateful` values (with state_dict/load_state_dict)
-are handled as DCP handles them.
+are handled as DCP handles them. Loading unpickles nothing a checkpoint could turn into code unless
+asked to (`trusted=True`): `.metadata` with DCP's types only, object entries with
+`torch.load(weights_only=True)`.
 """
 from __future__ import annotations
 
 import atexit
 import io
 import os
+import pickle
 import secrets
 import shutil
 import warnings
@@ -20,12 +23,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from monarch.checkpoint.plan import check_load, flatten, plan_load, plan_save, session_of_values
 from monarch.errors import CheckpointError, RemoteError
-from monarch.runtime.engine.checkpoint import FinishJob, check_target, replace
+from monarch.runtime.engine.checkpoint import FinishJob, SafeReader, check_target, replace, sweep
 from monarch.tensor.meshtensor import MeshTensor
 
 _pending: list[SaveFuture] = []
@@ -45,21 +50,23 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike) 
     return _start(state_dict, checkpoint_id, stage=True)
 
 
-def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, timeout: float | None = None) -> None:
+def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, timeout: float | None = None,
+         trusted: bool = False) -> None:
     """Load the checkpoint at `checkpoint_id` into `state_dict` in place: each MeshTensor gets the saved
     values of its global shape in its own placements (any mesh shape), plain tensors are copied into,
     other values are replaced, Stateful values get load_state_dict. Every key and shape is checked
-    before anything is read, and nothing changes unless every read succeeded."""
+    before anything is read, and nothing changes unless every read succeeded. Object entries load with
+    `torch.load(weights_only=True)` and `.metadata` with DCP's types only; `trusted=True` unpickles
+    anything (which runs whatever code the files name: only for checkpoints from a source you trust)."""
     wait_pending(timeout)
     path = _path(checkpoint_id)
     states, templates = _resolve_stateful(state_dict)
     flat, mappings = flatten(templates)
     session = session_of_values(flat)
     if session is None:
-        _check_is_checkpoint(path)
-        dcp.load(templates, checkpoint_id=path, no_dist=True)
+        _load_here(templates, path, trusted)
     else:
-        _load_on_mesh(session, flat, mappings, templates, path, timeout)
+        _load_on_mesh(session, flat, mappings, templates, path, timeout, trusted)
     for key, value in templates.items():
         if key in states:
             states[key].load_state_dict(value)
@@ -67,13 +74,49 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, timeou
             state_dict[key] = value
 
 
+def _load_here(templates: dict[str, Any], path: str, trusted: bool) -> None:
+    """Plain DCP in this process (no MeshTensor in the state dict), unpickling as `trusted` allows."""
+    sweep(path)
+    _check_is_checkpoint(path)
+    reader = SafeReader(path, trusted)
+    try:
+        reader.read_metadata()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"cannot load checkpoint {path!r}: {e}; load(..., trusted=True) unpickles anything, "
+                              "for a checkpoint from a source you trust") from None
+    try:
+        dcp.load(templates, storage_reader=reader, planner=_Objects(path, trusted), no_dist=True)
+    except CheckpointException as e:  # DCP wraps what its steps raise, ours too
+        mine = [f[0] for f in e.failures.values() if isinstance(f[0], CheckpointError)]
+        if mine:
+            raise mine[0] from None
+        raise
+
+
+class _Objects(DefaultLoadPlanner):
+    """DCP's planner, loading object entries as `_object` does."""
+
+    def __init__(self, path: str, trusted: bool) -> None:
+        super().__init__()
+        self.path, self.trusted = path, trusted
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        set_element(self.original_state_dict, self.mappings[fqn], _object(value.getvalue(), self.trusted,
+                                                                          fqn, self.path))
+
+
 def _load_on_mesh(session: Any, flat: dict[str, Any], mappings: dict[str, Any], templates: dict[str, Any],
-                  path: str, timeout: float | None) -> None:
-    found = _on_first_rank(session, "monarch::dcp_metadata", path, timeout)
+                  path: str, timeout: float | None, trusted: bool) -> None:
+    found = _on_first_rank(session, "monarch::dcp_metadata", (path, trusted), timeout)
     if isinstance(found, str):
         raise CheckpointError(f"cannot load checkpoint {path!r}: {found}")
-    check_load(flat, found, f"checkpoint {path!r}")
-    planned = plan_load(flat, found, session, path)
+    try:
+        check_load(flat, found, f"checkpoint {path!r}")
+        planned = plan_load(flat, found, session, path)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"cannot load checkpoint {path!r}: its .metadata is inconsistent ({type(e).__name__}: "
+                              f"{e}); the file is damaged, nothing was loaded") from None
     specs = [spec for _, _, spec in planned.targets]
     handles = session.on_ranks("monarch::dcp_read", lambda r, _: (planned.jobs[r],), specs=(*specs, None))
     try:
@@ -85,15 +128,24 @@ def _load_on_mesh(session: Any, flat: dict[str, Any], mappings: dict[str, Any], 
             if not session.adopt(target, loaded):  # a target a view shares, or of other placements: copied
                 target.copy_(loaded)
         for fqn, value in extras.items():  # read by the first rank: plain tensors (copied into) and objects
-            value = value if isinstance(value, torch.Tensor) else _object(value)
+            value = value if isinstance(value, torch.Tensor) else _object(value, trusted, fqn, path)
             if isinstance(flat[fqn], torch.Tensor):
                 flat[fqn].copy_(value)
             else:
                 set_element(templates, mappings[fqn], value)
 
 
-def _object(blob: bytes) -> Any:
-    return torch.load(io.BytesIO(blob), weights_only=False)  # as DCP's planner loads an object
+def _object(blob: bytes, trusted: bool, fqn: str, path: str) -> Any:
+    """An object entry as DCP's planner loads one, but with weights_only=True (tensors, containers and
+    Python scalars; no code) unless `trusted`."""
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=not trusted)
+    except pickle.UnpicklingError as e:
+        why = str(e).split("\n\n")[-1].splitlines()[0] if "\n\n" in str(e) else str(e).splitlines()[0]
+        raise CheckpointError(f"cannot load checkpoint {path!r}: entry {fqn!r} is a pickled object that "
+                              f"torch.load(weights_only=True) refuses ({why}); load(..., trusted=True) unpickles "
+                              "anything, which runs what the file names: only for a checkpoint you trust; "
+                              "nothing was loaded") from None
 
 
 # -- saving ------------------------------------------------------------------------------------
@@ -117,6 +169,7 @@ def _start(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, stage: 
 
 def _save_here(templates: dict[str, Any], path: str, final: str) -> Metadata:
     """Plain DCP in this process (no MeshTensor in the state dict), written beside the id, then moved."""
+    sweep(final, keep=path)
     check_target(final)
     try:
         dcp.save(templates, checkpoint_id=path, no_dist=True)
@@ -211,8 +264,8 @@ def _path(checkpoint_id: str | os.PathLike) -> str:
     return os.path.normpath(os.fspath(checkpoint_id))
 
 
-def _on_first_rank(session: Any, op: str, arg: Any, timeout: float | None) -> Any:
-    (handle,) = session.on_ranks(op, lambda r, _: (arg if r == 0 else None,))
+def _on_first_rank(session: Any, op: str, args: tuple[Any, ...], timeout: float | None) -> Any:
+    (handle,) = session.on_ranks(op, lambda r, _: args if r == 0 else (None,))
     return session.values(handle).get(timeout)[0]
 
 

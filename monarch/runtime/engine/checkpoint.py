@@ -4,12 +4,16 @@ The controller plans (which rank writes which piece, which chunks each rank read
 file work with torch.distributed.checkpoint's FileSystemWriter and FileSystemReader, so the files and
 the `.metadata` are DCP's own. A save writes into a temporary directory beside the checkpoint id; the
 mesh's first rank writes the metadata there and then renames it into place, so an earlier checkpoint
-at that id stays whole until the new one is complete.
+at that id stays whole until the new one is complete; what a save killed midway left beside the id
+is cleared by the next save or load of it. A `.metadata` is unpickled with DCP's own types only
+(`MetadataUnpickler`): a crafted one cannot name code to run, unless the load was told `trusted=True`.
 """
 from __future__ import annotations
 
 import io
 import os
+import pickle
+import re
 import shutil
 import threading
 from dataclasses import dataclass
@@ -22,6 +26,47 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 
 METADATA = ".metadata"
+
+
+_METADATA_TYPES = {
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    *(("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
+}  # what DCP's FileSystemWriter pickles into a .metadata (and torch dtypes)
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata: its own types and torch dtypes, nothing else (a global naming a function
+    or any other class is how a crafted pickle runs code)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_TYPES or module == "torch" and isinstance(getattr(torch, name, None),
+                                                                               torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"its .metadata names {module}.{name}, which is not a DCP metadata type")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's FileSystemReader, reading `.metadata` with MetadataUnpickler unless `trusted`."""
+
+    def __init__(self, path: str, trusted: bool = False) -> None:
+        super().__init__(path)
+        self.trusted = trusted
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.trusted:
+            return super().read_metadata(*args, **kwargs)
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            found = MetadataUnpickler(f).load()
+        if not isinstance(found, Metadata):
+            raise pickle.UnpicklingError(f"its .metadata holds a {type(found).__name__}, not DCP Metadata")
+        if getattr(found, "storage_meta", None) is None:
+            found.storage_meta = StorageMeta()
+        found.storage_meta.load_id = self.load_id
+        return found
 
 
 @dataclass(frozen=True)
@@ -128,6 +173,7 @@ def write(job: WriteJob, *pieces: torch.Tensor) -> tuple[Any]:
     """Write this rank's items (or, with `job.stage`, copy them and start writing): its WriteResults, or
     the Pending write that `wait` finishes."""
     if job.final:
+        sweep(job.final, keep=job.path)
         check_target(job.final)
     data: dict[str, Any] = dict(job.objects)
     data.update(zip(job.fqns, pieces, strict=True))
@@ -180,15 +226,40 @@ def replace(path: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def metadata(path: str | None) -> tuple[Metadata | str | bool]:
+def sweep(final: str, keep: str | None = None) -> None:
+    """Clear what a save killed midway left beside `final`: its temporary directories (`<id>.tmp-<hex>`);
+    a previous checkpoint moved aside (`<id>.tmp-<hex>.old`) goes back into place when `final` is missing
+    (the kill came between the two renames of `replace`), else it is removed too."""
+    parent, base = os.path.split(final)
+    if not os.path.isdir(parent or "."):
+        return
+    pattern = re.compile(re.escape(base) + r"\.tmp-[0-9a-f]{8}(\.old)?")
+    for name in sorted(os.listdir(parent or "."), key=lambda n: not n.endswith(".old")):
+        left = os.path.join(parent, name)
+        match = pattern.fullmatch(name)
+        if match is None or left == keep or not os.path.isdir(left) or os.path.islink(left):
+            continue
+        if match.group(1) and not os.path.exists(final) and os.path.exists(os.path.join(left, METADATA)):
+            os.rename(left, final)
+        else:
+            shutil.rmtree(left, ignore_errors=True)
+
+
+def metadata(path: str | None, trusted: bool = False) -> tuple[Metadata | str | bool]:
     """The checkpoint's metadata, or why `path` is not a checkpoint (False when another rank reads it)."""
     if path is None:
         return (False,)
+    sweep(path)
     if not os.path.isdir(path):
         return (f"{path} does not exist or is not a directory",)
     if not os.path.exists(os.path.join(path, METADATA)):
         return (f"{path} has no {METADATA} file (not a DCP checkpoint, or a save that did not finish)",)
-    return (FileSystemReader(path).read_metadata(),)
+    try:
+        return (SafeReader(path, trusted).read_metadata(),)
+    except pickle.UnpicklingError as e:
+        return (f"{e}; load(..., trusted=True) unpickles anything, for a checkpoint from a source you trust",)
+    except Exception as e:  # noqa: BLE001 - a damaged file: say so instead of failing the rank
+        return (f"its {METADATA} cannot be read ({type(e).__name__}: {e}); the file is damaged",)
 
 
 def read(job: ReadJob) -> tuple[Any, ...]:
