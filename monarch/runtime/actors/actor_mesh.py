@@ -152,7 +152,8 @@ class EndpointRef:
         self._send(self._mesh._shape, args, kwargs, False)
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
-        """Call every actor; yield one finished Future per actor, in the order they answer."""
+        """Call every actor; yield one Future per actor at once, the n-th holding the n-th answer to arrive
+        (`for f in stream(): f.get()`, or `await f` in a coroutine)."""
         state, c = self._send(self._mesh._shape, args, kwargs, True)
         return stream_futures(state, c)  # type: ignore[arg-type]
 

@@ -43,7 +43,7 @@ class CallState:
         self.raw: list[tuple[bool, Any] | None] = [None] * len(ranks)
         self.arrived: list[int] = []
         self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks: list[tuple[int, Callable[[], None]]] = []  # (replies it waits for, callback)
         if actor is not None:
             _unanswered[id(self)] = self
 
@@ -59,11 +59,13 @@ class CallState:
                 return
             self.raw[i] = (ok, payload)
             self.arrived.append(i)
-            done = self.done
-            callbacks = self._callbacks if done else []
-        if done:
+            n = len(self.arrived)
+            ready = [cb for need, cb in self._callbacks if need <= n] if self._callbacks else []
+            if ready:
+                self._callbacks = [(need, cb) for need, cb in self._callbacks if need > n]
+        if n == len(self.raw):
             _unanswered.pop(id(self), None)
-        for cb in callbacks:
+        for cb in ready:
             cb()
 
     def fail_missing(self, exc: BaseException) -> None:
@@ -75,12 +77,22 @@ class CallState:
         """Ranks that have not answered yet."""
         return {r for r, i in self.index.items() if self.raw[i] is None}
 
-    def on_done(self, cb: Callable[[], None]) -> None:
+    def on_arrived(self, n: int, cb: Callable[[], None]) -> None:
+        """Call `cb` once `n` replies came (now, if they did)."""
         with self._lock:
-            if not self.done:
-                self._callbacks.append(cb)
+            if len(self.arrived) < n:
+                self._callbacks.append((n, cb))
                 return
         cb()
+
+    def on_done(self, cb: Callable[[], None]) -> None:
+        self.on_arrived(len(self.raw), cb)
+
+    def wait(self, n: int, timeout: float | None) -> None:
+        """Block this thread until `n` replies came or `timeout` passed (another thread delivers them)."""
+        came = threading.Event()
+        self.on_arrived(n, came.set)
+        came.wait(None if timeout is None else max(timeout, 0.0))
 
     def value(self, i: int) -> Any:
         ok, payload = self.raw[i]  # type: ignore[misc]
@@ -115,18 +127,21 @@ def timed_out(state: CallState, timeout: float | None) -> TimeoutError:
 
 
 class Future(Generic[R]):
-    """The eventual result of a call: `get(timeout)` blocks, `await` suspends."""
+    """The eventual result of a call: `get(timeout)` blocks, `await` suspends. It is done once `arrived`
+    replies came (default: all of them)."""
 
-    def __init__(self, state: CallState, waiter: Waiter, result: Callable[[CallState], R]) -> None:
+    def __init__(self, state: CallState, waiter: Waiter, result: Callable[[CallState], R],
+                 arrived: int | None = None) -> None:
         self._state, self._waiter, self._result = state, waiter, result
+        self._need = len(state.raw) if arrived is None else arrived
 
     def done(self) -> bool:
-        return self._state.done
+        return len(self._state.arrived) >= self._need
 
     def get(self, timeout: float | None = None) -> R:
-        if not self._state.done:
-            _wait(self._waiter, self._state, deadline_of(timeout))
-            if not self._state.done:
+        if not self.done():
+            _wait(self._waiter, self._state, deadline_of(timeout), self._need)
+            if not self.done():
                 raise timed_out(self._state, timeout)
         return self._result(self._state)
 
@@ -135,11 +150,11 @@ class Future(Generic[R]):
     def __await__(self) -> Generator[Any, None, R]:
         """Suspend until done: on the controller (a reader thread delivers) and in an async endpoint on a
         worker (whose loop goes on serving messages meanwhile); other loops block in get()."""
-        if not self._state.done:
+        if not self.done():
             loop = asyncio.get_running_loop()
             if self._waiter.threaded or getattr(self._waiter, "loop", None) is loop:
                 fut = loop.create_future()
-                self._state.on_done(lambda: _settle_soon(loop, fut))
+                self._state.on_arrived(self._need, lambda: _settle_soon(loop, fut))
                 yield from fut.__await__()
         return self.get()
 
@@ -150,15 +165,14 @@ class Future(Generic[R]):
 _noticed: list[bool] = []
 
 
-def _wait(waiter: Waiter, state: CallState, deadline: float | None) -> None:
-    """Wait for every reply of `state` until `deadline`. On the client, the first wait that lasts over
+def _wait(waiter: Waiter, state: CallState, deadline: float | None, n: int) -> None:
+    """Wait for `n` replies of `state` until `deadline`. On the client, the first wait that lasts over
     NOTICE_AFTER_S writes one line on stderr first (a mesh's first tensor op waits for its workers to
     import torch, which can take 10-20 s with nothing else to show)."""
-    n = len(state.raw)
     if not _noticed and waiter.threaded:
         soon = time.monotonic() + NOTICE_AFTER_S
         waiter.wait(state, soon if deadline is None else min(soon, deadline), n)
-        if state.done or (deadline is not None and time.monotonic() >= deadline):
+        if len(state.arrived) >= n or (deadline is not None and time.monotonic() >= deadline):
             return
         _noticed.append(True)
         sys.stderr.write(f"monarch: still waiting for {state.what} after {NOTICE_AFTER_S:g} s (workers load torch "
@@ -219,12 +233,11 @@ def one_result(state: CallState) -> Any:
 
 
 def stream_futures(state: CallState, waiter: Waiter) -> Iterator[Future[Any]]:
-    """Yield one finished Future per rank, in the order the replies arrive (a dead rank fails its own)."""
+    """Yield one Future per rank at once (never blocking, so that a coroutine can await each in turn): the
+    n-th holds the n-th reply to arrive (a dead rank fails its own)."""
     for n in range(len(state.raw)):
-        while len(state.arrived) <= n:
-            waiter.wait(state, None, n + 1)
-        yield Future(state, waiter, partial(_value_at, state.arrived[n]))
+        yield Future(state, waiter, partial(_nth_value, n), n + 1)
 
 
-def _value_at(i: int, state: CallState) -> Any:
-    return state.value(i)
+def _nth_value(n: int, state: CallState) -> Any:
+    return state.value(state.arrived[n])

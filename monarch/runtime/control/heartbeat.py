@@ -1,25 +1,34 @@
-"""Heartbeats: a worker process that is alive but silent (stopped, hung, cut off) fails its mesh.
+"""Heartbeats, and a worker's sends: a worker process that is alive but silent (stopped, hung, cut off)
+fails its mesh; what a worker sends never waits behind an endpoint that runs on.
 
-Worker side, `Sender`: every send of a worker goes through its lock (frames never interleave), and a
-daemon thread sends an empty frame whenever nothing was sent for a while; it needs nothing from the
-main thread, so it beats while an endpoint or a kernel runs. Controller side, `Watch`: fails a worker
-silent for its mesh's timeout, counting only time during which the controller itself was polling, and
-not while the worker said it is `Busy` (loading torch's libraries holds the GIL, which stops the beats).
-Neither end reads a clock per message: a send or a read only sets a flag that the timers look at.
+Worker side, `Sender`: every send of a worker goes through its lock (frames never interleave); queued
+messages go out in one frame per flush, and a daemon thread sends an empty frame whenever nothing was
+sent for a while and flushes what the main thread left queued while it runs an endpoint (it needs
+nothing from the main thread, so it beats and delivers while an endpoint or a kernel runs). Controller
+side, `Watch`: fails a worker silent for its mesh's timeout, counting only time during which the
+controller itself was polling, and not while the worker said it is `Busy` (loading torch's libraries
+holds the GIL, which stops the beats). Neither end reads a clock per message: a send or a read only
+sets a flag or a counter that the timers look at.
 """
 from __future__ import annotations
 
+import select
 import socket
+import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from monarch.runtime.control import codec
+from monarch.runtime.control.commands import Forward, Reply
 
 BEAT = codec.encode_frame([])  # a frame of no messages: the controller only notes that bytes came
 CHECK_S = 0.1  # how often the controller looks for silent workers while a mesh has heartbeats on
 IDLE_S = 1.0  # how often it looks while none has
 LATE_S = 0.2  # a check this late means nothing polled for that long: the controller itself was paused
+LINGER_S = 0.01  # what a worker's main thread leaves queued this long (an endpoint still runs) goes out anyway
 
 
 def interval(timeout: float) -> float:
@@ -28,15 +37,22 @@ def interval(timeout: float) -> float:
 
 
 class Sender:
-    """A worker's sends, under one lock; `beat(every)` starts the heartbeat thread."""
+    """The sends of worker `rank`, under one lock. `out` is the queue of messages (any thread appends);
+    `flush` sends them in one frame; a daemon thread beats (`beat(every)`) and flushes what the main thread
+    left queued for LINGER_S without flushing (it is running an endpoint, perhaps stuck in it). `pending`:
+    the worker's calls waiting for replies (one whose message is refused fails)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, rank: int, max_frame: int, pending: dict[int, Any]) -> None:
         self.sock = sock
-        self._sent = False  # a frame went out since the heartbeat thread last looked
+        self.out: deque[Any] = deque()
+        self.idle = False  # set by the main thread while it waits for the socket, with nothing queued
+        self.flushes = 0
+        self._rank, self._max_frame, self._pending = rank, max_frame, pending
+        self._sent = False  # a frame went out since the heartbeat last looked
         self._lock = threading.Lock()
         self._every = 0.0
         self._closed = threading.Event()
-        self._thread: threading.Thread | None = None
+        threading.Thread(target=self._run, name="monarch-sender", daemon=True).start()
 
     def sendall(self, frame: bytes) -> None:
         self._lock.acquire()  # not `with`: this is on every reply's path, and half the cost
@@ -46,13 +62,42 @@ class Sender:
         finally:
             self._lock.release()
 
+    def flush(self) -> None:
+        """Send what is queued, in order, in one frame."""
+        self.flushes += 1
+        if not self.out:
+            return
+        self._lock.acquire()
+        try:
+            n = len(self.out)  # other threads may append meanwhile: they go with the next flush
+            if n:
+                msgs = [self.out.popleft() for _ in range(n)]
+                self.sock.sendall(codec.encode_frames(msgs, self._max_frame, self._refuse))
+                self._sent = True
+        finally:
+            self._lock.release()
+
+    def _refuse(self, msg: Any, frame: bytes) -> Any:
+        """What goes instead of a message over MONARCH_MAX_FRAME: a reply becomes the error; a forwarded call or
+        a mesh request fails here (the calling actor's get() raises it); telemetry events are dropped."""
+        kind = type(msg)
+        what = (f"a call of {msg.call.actor}.{msg.call.endpoint} from rank {self._rank}" if kind is Forward
+                else f"the {'reply' if kind is Reply else kind.__name__} of rank {self._rank}")
+        err = codec.too_large(what, frame, self._max_frame)
+        if kind is Reply:
+            return Reply(msg.call_id, msg.reply_to, msg.rank, False, codec.dumps(err))
+        call_id = msg.call.call_id if kind is Forward else getattr(msg, "call_id", 0)  # a call, or a mesh request
+        state = self._pending.pop(call_id, None)
+        if state is not None:
+            state.fail_missing(err)
+        else:
+            print(f"monarch worker: dropped {err}", file=sys.stderr)
+        return None
+
     def beat(self, every: float) -> None:
         """Send a heartbeat every `every` seconds in which nothing else was sent (0: stop beating); a
         healthy worker is never silent for more than twice that."""
         self._every = every
-        if every > 0 and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="monarch-heartbeat", daemon=True)
-            self._thread.start()
 
     def close(self) -> None:
         """Stop beating; after this nothing more is sent."""
@@ -61,14 +106,37 @@ class Sender:
             self._every = 0.0
 
     def _run(self) -> None:
-        while not self._closed.wait(self._every or IDLE_S):
-            with self._lock:
-                if self._every and not self._sent:
-                    try:
-                        self.sock.sendall(BEAT)
-                    except OSError:
-                        return  # the connection is gone; the main thread sees it and exits
-                self._sent = False
+        seen, checked = -1, time.monotonic()
+        try:
+            while not self._closed.is_set():
+                woke = self._nap(checked + (self._every or IDLE_S) - time.monotonic())
+                if self.out and self.flushes == seen and not self._closed.is_set():
+                    self.flush()
+                seen = self.flushes
+                if time.monotonic() >= checked + (self._every or IDLE_S):
+                    self._beat()
+                    checked = time.monotonic()
+                if woke:
+                    self._closed.wait(LINGER_S)  # the main thread reads what came: do not select again at once
+        except OSError:
+            return  # the connection is gone; the main thread sees it and exits
+
+    def _nap(self, until_beat: float) -> bool:
+        """Wait LINGER_S while the main thread works; while it waits for the socket too, until bytes come
+        (it works again: whether they did) or a beat is due."""
+        if self.idle and not self.out:
+            try:
+                return bool(select.select([self.sock], [], [], max(until_beat, 0.0))[0])
+            except ValueError:  # the socket was closed
+                return False
+        self._closed.wait(LINGER_S)
+        return False
+
+    def _beat(self) -> None:
+        with self._lock:
+            if self._every and not self._sent and not self._closed.is_set():
+                self.sock.sendall(BEAT)
+            self._sent = False
 
 
 Fail = Callable[[Any, int, int, str], None]  # (mesh, rank, pid, status): Controller._fail

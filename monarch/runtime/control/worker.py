@@ -1,10 +1,11 @@
 """The worker process: decode control frames and dispatch them through `HANDLERS` to hosted actors.
 
-Started as `python -m monarch.runtime.control.worker` by mpiexec (see bootstrap.py). One thread: it receives a
-chunk, runs every message in it in order, then sends all replies in one frame (a second thread only
-sends heartbeats, heartbeat.py). A call an actor makes on another mesh is forwarded through the
-controller; while it waits, the worker keeps running the messages of its other, idle actors (each actor
-still sees its own messages in order).
+Started as `python -m monarch.runtime.control.worker` by mpiexec (see bootstrap.py). One thread runs the
+actors: it receives a chunk, runs every message in it in order, then sends all replies in one frame (the
+sender's thread, heartbeat.py, beats and sends what an endpoint that runs on queued meanwhile). A call an
+actor makes on another mesh is forwarded through the controller; while it waits, the worker keeps running
+the messages of its other actors. Only an actor's own messages wait while it is mid-call (its
+constructor included); each actor sees them in order. Threads that actors start may send too.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import itertools
 import select
 import socket
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -46,7 +48,6 @@ class Worker:
 
     def __init__(self, sock: socket.socket, rank: int, mesh_id: int = 0) -> None:
         self.sock = sock
-        self.sender = Sender(sock)  # every send goes through it: the heartbeat thread sends too
         self.rank = rank
         self.mesh_id = mesh_id
         self.loop = asyncio.new_event_loop()  # async endpoints run on it as tasks, stepped by serve()
@@ -55,12 +56,15 @@ class Worker:
         self._max_frame = config.max_frame()  # the controller's limit too (the workers inherit the flag)
         self._reader = codec.FrameReader(self._max_frame)
         self._inbox: deque[Any] = deque()
-        self._outbox: list[Any] = []
         self._actors: dict[str, HostedActor] = {}
         self._pending: dict[int, CallState] = {}
+        self.sender = Sender(sock, rank, self._max_frame, self._pending)  # every send goes through it
+        self._outbox = self.sender.out
+        self._main = threading.get_ident()  # the thread that runs the actors
         self._ids = itertools.count(1)
         self._stopped = False
-        self._busy: set[str] = set()
+        self._busy: set[str] = set()  # actors mid-call: their messages wait
+        self._freed = 0  # async calls that ended (their actor's waiting messages may run)
         self._spin = AdaptiveSpin(config.spin_seconds())
         self._arrived: dict[int, int] = {}  # id(Call) -> when it arrived (µs), for the messages table
         self._ran: list[tuple[Call, int, int, bool]] = []  # calls run since the last flush: start, end, ok
@@ -104,20 +108,27 @@ class Worker:
         return due if timeout is None else min(due, timeout)
 
     def _run_inbox(self) -> None:
-        """Run queued messages in order, skipping (and keeping) those for actors that are mid-call."""
-        skipped = []
-        while self._inbox and not self._stopped:
-            msg = self._inbox.popleft()
+        """Run queued messages in order, skipping (and keeping in place) those that wait for an actor mid-call.
+        A handler that waits runs the queue itself; when an async call ended meanwhile, its actor's waiting
+        messages come first."""
+        i, freed = 0, self._freed
+        while i < len(self._inbox) and not self._stopped:
+            msg = self._inbox[i]
             if self._waits(msg):
-                skipped.append(msg)
+                i += 1
                 continue
+            del self._inbox[i]
             HANDLERS[type(msg)](self, msg)
-        self._inbox.extendleft(reversed(skipped))
+            if self._freed != freed:
+                i, freed = 0, self._freed
 
     def _waits(self, msg: Any) -> bool:
-        """Whether `msg` must wait for an actor that is mid-call (while one is, only spawns and calls of
-        other actors run)."""
-        return bool(self._busy) and not (type(msg) is SpawnActor or (type(msg) is Call and msg.actor not in self._busy))
+        """Whether `msg` waits for an actor that is mid-call: its calls and supervision events do, and Stop
+        waits for every call; port messages, spawns, tensor programs and the rest never wait."""
+        if not self._busy:
+            return False
+        kind = type(msg)
+        return msg.actor in self._busy if kind is Call or kind is Supervise else kind is Stop
 
     def _recv(self, timeout: float | None) -> bytes | None:
         """Busy-poll briefly (the next message usually follows at once), then block up to `timeout`."""
@@ -132,9 +143,11 @@ class Worker:
                 if time.perf_counter() >= until:
                     self._spin.miss()
                     break
-        if timeout is not None and not select.select([self.sock], [], [], max(timeout, 0))[0]:
-            return None
-        return self.sock.recv(codec.RECV_BYTES)
+        self.sender.idle = True  # its thread waits for the socket too
+        ready = timeout is None or select.select([self.sock], [], [], max(timeout, 0))[0]
+        data = self.sock.recv(codec.RECV_BYTES) if ready else None
+        self.sender.idle = False
+        return data
 
     def _pump(self, timeout: float | None) -> None:
         data = self._recv(timeout)
@@ -188,30 +201,11 @@ class Worker:
         a memory sample when the last one is MEMORY_EVERY_S old."""
         if RECORDER.count >= BATCH:
             self._outbox.append(self._events())
-        if self._outbox:
-            frame, self._outbox = codec.encode_frames(self._outbox, self._max_frame, self._refuse), []
-            self.sender.sendall(frame)
+        self.sender.flush()
         if self._ran:
             self._record_calls()
         if RECORDER.on and time.monotonic() >= self._sampled + MEMORY_EVERY_S:
             self._sample_memory()
-
-    def _refuse(self, msg: Any, frame: bytes) -> Any:
-        """What goes instead of a message over MONARCH_MAX_FRAME: a reply becomes the error; a forwarded call or
-        a mesh request fails here (the calling actor's get() raises it); telemetry events are dropped."""
-        kind = type(msg)
-        what = (f"a call of {msg.call.actor}.{msg.call.endpoint} from rank {self.rank}" if kind is Forward
-                else f"the {'reply' if kind is Reply else kind.__name__} of rank {self.rank}")
-        err = codec.too_large(what, frame, self._max_frame)
-        if kind is Reply:
-            return Reply(msg.call_id, msg.reply_to, msg.rank, False, codec.dumps(err))
-        call_id = msg.call.call_id if kind is Forward else getattr(msg, "call_id", 0)  # a call, or a mesh request
-        state = self._pending.pop(call_id, None)
-        if state is not None:
-            state.fail_missing(err)
-        else:
-            print(f"monarch worker: dropped {err}", file=sys.stderr)
-        return None
 
     def _record_calls(self) -> None:
         for msg, start, end, ok in self._ran:
@@ -221,7 +215,11 @@ class Worker:
 
     # -- handlers --------------------------------------------------------------------------------
     def _spawn(self, msg: SpawnActor) -> None:
-        actor = self._actors[msg.name] = HostedActor(msg, self.rank, self.mesh_id)
+        self._busy.add(msg.name)  # calls that come while __init__ waits (a nested call or spawn) wait for it
+        try:
+            actor = self._actors[msg.name] = HostedActor(msg, self.rank, self.mesh_id)
+        finally:
+            self._busy.discard(msg.name)
         if actor.fault is not None:
             self._report(msg.name, actor.fault)
 
@@ -258,6 +256,7 @@ class Worker:
             self._tasks.discard(t)
             if not concurrent:
                 self._busy.discard(msg.actor)
+                self._freed += 1
             self._finish(msg, start, t.result())
         task.add_done_callback(done)
 
@@ -372,15 +371,24 @@ class Worker:
         self._ports[port] = inbox
 
     def send_port(self, msg: PortSend) -> None:
-        if msg.ref.owner == (self.mesh_id, self.rank) and msg.ref.reply is None:
+        """To a receiver of this rank directly from the actors' thread; else through the controller (whose
+        answer wakes the actors' thread for what other threads send)."""
+        here = msg.ref.owner == (self.mesh_id, self.rank) and msg.ref.reply is None
+        if here and threading.get_ident() == self._main:
             self._port_send(msg)
         else:
-            self._outbox.append(msg)
+            self._post(msg)
+
+    def _post(self, msg: Any) -> None:
+        """Queue `msg`; from a thread an actor started, send it now (the actors' thread flushes its own)."""
+        self._outbox.append(msg)
+        if threading.get_ident() != self._main:
+            self.sender.flush()
 
     def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None:
         if state is not None:
             self._pending[call.call_id] = state
-        self._outbox.append(Forward(mesh_id, shape, call))
+        self._post(Forward(mesh_id, shape, call))
         if state is None:
             return
         if self._stopped:
@@ -390,9 +398,14 @@ class Worker:
         """Send a mesh request (actors/requests.py) to the controller for the running actor (it owns what the
         request makes); its Reply settles `state`."""
         self._pending[op.call_id] = state
-        self._outbox.append(replace(op, actor=current_actor_name()))
+        self._post(replace(op, actor=current_actor_name()))
 
     def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
+        """Run messages until `arrived` replies of `state` came; a thread an actor started blocks instead
+        (the actors' thread delivers)."""
+        if threading.get_ident() != self._main:
+            state.wait(arrived, None if deadline is None else deadline - time.monotonic())
+            return
         while len(state.arrived) < arrived and not self._stopped:
             self._run_inbox()
             self._step()
