@@ -10,22 +10,20 @@ import graphlib
 import hashlib
 import importlib
 import importlib.machinery
-import json
 import os
-import socket
+import stat
 import sys
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import suppress
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from types import FunctionType, ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from monarch import config
-from monarch.errors import MonarchError
+from monarch.cluster.copies import (MANIFEST, Manifest, Piece, WorkspaceError, copy_dir, delete, is_file,
+                                    read_manifest, write_manifest, write_piece)
 from monarch.runtime.actors.endpoint import Actor, endpoint
 
 if TYPE_CHECKING:
@@ -36,15 +34,10 @@ if TYPE_CHECKING:
 
 AGENT_NAME = "monarch.workspace"  # the reserved actor name of the agents, one per rank
 SKIP_DIRS = frozenset({".git", "__pycache__", ".venv", ".hypothesis", ".pytest_cache"})
-MANIFEST = ".monarch-manifest.json"  # in the copy: {relpath: [size, sha256]} of what it holds
-PART = ".monarch-part"  # suffix of a file being written; replaced onto its name when complete
 MAX_BATCH = 2 << 20  # bytes of file data per call, when MONARCH_MAX_FRAME allows
 ENTRY_BYTES = 160  # pickled size of one entry's fields besides its path and data
 WINDOW = 4  # write calls in flight per host
 DEPTH = lambda name: (name.count("."), name)  # sort key: parents before children
-
-Manifest = dict[str, tuple[int, str]]
-Piece = tuple[str, int, bytes, int, str]  # relpath, offset, data, file size, file sha256
 
 
 class ProcMesh(Protocol):
@@ -56,10 +49,6 @@ class ProcMesh(Protocol):
     def _with_shape(self, shape: Shape) -> ProcMesh: ...
 
     def spawn(self, name: str, actor_cls: type) -> ActorMesh: ...
-
-
-class WorkspaceError(MonarchError, ValueError):
-    """sync_workspace got a path it cannot copy, or a copy went wrong (a file changed while it was sent)."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +84,9 @@ def walk(root: Path) -> Iterator[tuple[str, Path]]:
 
 
 def manifest(root: Path) -> Manifest:
-    """{relpath: (size, sha256)} of the files `walk` ships."""
-    return {rel: (path.stat().st_size, file_sha(path)) for rel, path in walk(root)}
+    """{relpath: (size, sha256, permission bits)} of the files `walk` ships."""
+    return {rel: (st.st_size, file_sha(path), stat.S_IMODE(st.st_mode)) for rel, path in walk(root)
+            for st in (path.stat(),)}
 
 
 def copy_name(root: Path) -> str:
@@ -109,7 +99,7 @@ def manifest_chunks(files: Manifest, budget: int) -> Iterator[Manifest]:
     part: Manifest = {}
     used = 0
     for rel, entry in files.items():
-        cost = len(rel.encode()) + ENTRY_BYTES
+        cost = len(os.fsencode(rel)) + ENTRY_BYTES
         if part and used + cost > budget:
             yield part
             part, used = {}, 0
@@ -123,8 +113,8 @@ def batches(root: Path, wanted: list[str], files: Manifest, budget: int) -> Iter
     batch: list[Piece] = []
     used = 0
     for rel in wanted:
-        size, sha = files[rel]
-        meta = len(rel.encode()) + ENTRY_BYTES
+        size, sha, mode = files[rel]
+        meta = len(os.fsencode(rel)) + ENTRY_BYTES
         with open(root / rel, "rb") as f:
             offset = 0
             while True:
@@ -139,7 +129,7 @@ def batches(root: Path, wanted: list[str], files: Manifest, budget: int) -> Iter
                 data = f.read(want)
                 if len(data) < want:
                     raise WorkspaceError(f"{root / rel} shrank while it was being sent; sync again")
-                batch.append((rel, offset, data, size, sha))
+                batch.append((rel, offset, data, size, sha, mode))
                 used += meta + len(data)
                 offset += len(data)
                 if offset >= size:
@@ -148,74 +138,7 @@ def batches(root: Path, wanted: list[str], files: Manifest, budget: int) -> Iter
         yield batch
 
 
-# --- the copy on a host --------------------------------------------------------------------------------
-
-def copy_dir(name: str) -> Path:
-    """Where this host keeps copy `name`: `<MONARCH_WORKSPACE_DIR>/<hostname>/<name>`."""
-    return (Path(config.workspace_dir()) / socket.gethostname() / name).resolve()
-
-
-def read_manifest(copy: Path) -> Manifest:
-    raw = json.loads((copy / MANIFEST).read_text()) if (copy / MANIFEST).is_file() else {}
-    return {rel: (int(size), str(sha)) for rel, (size, sha) in raw.items()}
-
-
-def _has_size(path: Path, size: int) -> bool:
-    return path.is_file() and path.stat().st_size == size
-
-
-def target(copy: Path, rel: str) -> Path:
-    """The path of `rel` in the copy; refuses one that would leave it."""
-    p = PurePosixPath(rel)
-    if p.is_absolute() or not p.parts or ".." in p.parts:
-        raise WorkspaceError(f"refusing to write {rel!r}: it is not a path inside the copy {copy}")
-    return copy.joinpath(*p.parts)
-
-
-def drop_bytecode(path: Path) -> None:
-    """Remove the cached bytecode of a replaced or deleted source: a pyc records the source's mtime in whole
-    seconds and its size, so an edit within the same second of the same size would be taken as unchanged."""
-    if path.suffix == ".py":
-        for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
-            pyc.unlink(missing_ok=True)
-
-
-def write_piece(copy: Path, piece: Piece, hashers: dict[str, Any]) -> None:
-    """Write one piece of a file to its part file (pieces of a file come in order; `hashers` holds the hash
-    of each file begun); the last piece checks the hash and replaces the file."""
-    rel, offset, data, size, sha = piece
-    dest = target(copy, rel)
-    part = dest.with_name(dest.name + PART)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(part, "r+b" if offset else "wb") as f:
-        f.seek(offset)
-        f.write(data)
-    hasher = hashers[rel] = hashlib.sha256() if offset == 0 else hashers[rel]
-    hasher.update(data)
-    if offset + len(data) < size:
-        return
-    if hashers.pop(rel).hexdigest() != sha:
-        part.unlink()
-        raise WorkspaceError(f"{rel} arrived with another sha256 than it was sent with (the source changed "
-                             "while it was being sent); sync again")
-    os.replace(part, dest)
-    drop_bytecode(dest)
-
-
-def delete(copy: Path, rel: str) -> None:
-    """Remove `rel` from the copy, with its bytecode and the directories it leaves empty."""
-    path = target(copy, rel)
-    path.unlink(missing_ok=True)
-    drop_bytecode(path)
-    for parent in path.parents:
-        if parent == copy or not parent.is_relative_to(copy):
-            break
-        with suppress(OSError):  # removed only when empty
-            (parent / "__pycache__").rmdir()
-        if any(parent.iterdir()):
-            break
-        parent.rmdir()
-
+# --- the copy on a host (monarch/cluster/copies.py) ---------------------------------------------------
 
 @dataclass
 class Staged:
@@ -277,12 +200,11 @@ class WorkspaceAgent(Actor):
         """The relpaths of `files` the copy lacks or holds with another size or hash (`first`: a new sync)."""
         if first:
             copy = copy_dir(name)
-            copy.mkdir(parents=True, exist_ok=True)
             self._staged[name] = Staged(copy, read_manifest(copy))
         staged = self._staged[name]
         staged.new.update(files)
         return [rel for rel, entry in files.items()
-                if staged.old.get(rel) != tuple(entry) or not _has_size(staged.copy / rel, entry[0])]
+                if staged.old.get(rel) != tuple(entry) or not is_file(staged.copy / rel, entry[0])]
 
     @endpoint
     def prune(self, name: str) -> int:
@@ -302,9 +224,7 @@ class WorkspaceAgent(Actor):
     @endpoint
     def finish(self, name: str) -> str:
         staged = self._staged.pop(name)
-        tmp = staged.copy / (MANIFEST + PART)
-        tmp.write_text(json.dumps(staged.new, sort_keys=True))
-        os.replace(tmp, staged.copy / MANIFEST)
+        write_manifest(staged.copy, staged.new)
         return str(staged.copy)
 
     @endpoint
@@ -318,7 +238,7 @@ class WorkspaceAgent(Actor):
         if not reload:
             return []
         suffixes = tuple(importlib.machinery.SOURCE_SUFFIXES)
-        now = {rel: sha for rel, (_, sha) in read_manifest(copy).items() if rel.endswith(suffixes)}
+        now = {rel: sha for rel, (_, sha, _) in read_manifest(copy).items() if rel.endswith(suffixes)}
         before = self._seen.get(name, {})
         done = reload_changed(copy, {rel for rel in before.keys() | now.keys() if before.get(rel) != now.get(rel)})
         self._seen[name] = now

@@ -11,6 +11,7 @@ import json
 import os
 import py_compile
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -24,8 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from monarch.actor import ActorError, ProcMesh, this_host
-from monarch.cluster.workspace import (ENTRY_BYTES, MANIFEST, WorkspaceError, batches, copy_name, delete, manifest,
-                                       reload_order, sync_workspace, walk, write_piece)
+from monarch.cluster.copies import MANIFEST, WorkspaceError, delete, write_piece
+from monarch.cluster.workspace import ENTRY_BYTES, batches, copy_name, manifest, reload_order, sync_workspace, walk
 
 T = 60  # seconds: bound of every wait
 LIMIT = 256 << 10  # MONARCH_MAX_FRAME of the mesh: a batch is at most half of it
@@ -262,9 +263,9 @@ def test_batches_fit_the_budget_and_reassemble(sizes: list[int], budget: int) ->
         files = manifest(root)
         got: dict[str, bytearray] = {rel: bytearray() for rel in files}
         for batch in batches(root, sorted(files), files, budget):
-            assert sum(len(rel) + ENTRY_BYTES + len(data) for rel, _, data, _, _ in batch) <= budget
-            for rel, offset, data, size, sha in batch:
-                assert offset == len(got[rel]) and (size, sha) == files[rel]
+            assert sum(len(rel) + ENTRY_BYTES + len(data) for rel, _, data, _, _, _ in batch) <= budget
+            for rel, offset, data, size, sha, mode in batch:
+                assert offset == len(got[rel]) and (size, sha, mode) == files[rel]
                 got[rel] += data
         assert {rel: bytes(b) for rel, b in got.items()} == {rel: (root / rel).read_bytes() for rel in files}
 
@@ -280,7 +281,7 @@ def test_replacing_or_deleting_a_source_drops_its_bytecode(tmp_path: Path) -> No
         py_compile.compile(str(source), cfile=str(pyc), doraise=True)
         assert pyc.is_file()
         if step == "replace":
-            write_piece(tmp_path, ("pkg/m.py", 0, b"A = 2\n", 6, hashlib.sha256(b"A = 2\n").hexdigest()), {})
+            write_piece(tmp_path, ("pkg/m.py", 0, b"A = 2\n", 6, hashlib.sha256(b"A = 2\n").hexdigest(), 0o644), {})
             assert source.read_text() == "A = 2\n"
         else:
             delete(tmp_path, "pkg/m.py")
@@ -292,7 +293,78 @@ def test_replacing_or_deleting_a_source_drops_its_bytecode(tmp_path: Path) -> No
 def test_a_file_that_arrives_with_another_hash_is_refused(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"old")
     with pytest.raises(WorkspaceError, match="arrived with another sha256"):
-        write_piece(tmp_path, ("f", 0, b"new", 3, hashlib.sha256(b"other").hexdigest()), {})
+        write_piece(tmp_path, ("f", 0, b"new", 3, hashlib.sha256(b"other").hexdigest(), 0o644), {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"] and (tmp_path / "f").read_bytes() == b"old"
     with pytest.raises(WorkspaceError, match="not a path inside the copy"):
-        write_piece(tmp_path, ("../escape", 0, b"x", 1, hashlib.sha256(b"x").hexdigest()), {})
+        write_piece(tmp_path, ("../escape", 0, b"x", 1, hashlib.sha256(b"x").hexdigest(), 0o644), {})
+
+
+def test_links_in_the_copy_are_replaced_not_followed(small: ProcMesh, package: Package, tmp_path: Path) -> None:
+    """Links already in the copy (a shared or tampered workspace directory) never carry a write outside it."""
+    sync_workspace(small, package.src)
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "victim").write_text("keep")
+    util = package.copy / package.name / "util.py"
+    util.unlink()
+    util.symlink_to(outside / "victim")  # a synced file replaced by a link
+    (package.copy / "data").symlink_to(outside / "dir", target_is_directory=True)  # a directory's place taken
+    package.set_answer("return 5")
+    (package.src / "data").mkdir()
+    (package.src / "data" / "new.txt").write_text("new")
+    dest = package.copy / "data" / "new.txt"
+    (outside / "dir" / "new.txt").symlink_to(outside / "victim")
+    sync_workspace(small, package.src)
+    assert (outside / "victim").read_text() == "keep" and sorted(os.listdir(outside / "dir")) == ["new.txt"]
+    assert not util.is_symlink() and "return 5" in util.read_text()
+    assert not dest.parent.is_symlink() and dest.read_text() == "new"
+    assert greeter(small, package, "after_links").answer.call().get(timeout=T).values() == [5, 5]
+
+
+def test_a_workspace_directory_others_can_write_is_refused(small: ProcMesh, package: Package,
+                                                           workspaces: Path) -> None:
+    host = workspaces / socket.gethostname()
+    sync_workspace(small, package.src)
+    host.chmod(0o777)
+    try:
+        with pytest.raises(ActorError, match="writable by others"):
+            sync_workspace(small, package.src)
+    finally:
+        host.chmod(0o700)
+    sync_workspace(small, package.src)
+    assert stat.S_IMODE(host.stat().st_mode) == 0o700 and stat.S_IMODE(package.copy.stat().st_mode) == 0o700
+
+
+def test_modes_long_names_and_names_that_are_not_utf8_arrive(small: ProcMesh, package: Package) -> None:
+    data = package.src / "data"
+    data.mkdir()
+    (data / "secret").write_text("s")
+    (data / "secret").chmod(0o600)
+    (data / "run.sh").write_text("#!/bin/sh\n")
+    (data / "run.sh").chmod(0o755)
+    long = "x" * 250 + ".txt"  # 254 bytes: a part file named after it would pass 255
+    (data / long).write_text("long")
+    odd = os.fsdecode(b"caf\xe9.txt")  # latin-1, not UTF-8
+    (data / odd).write_text("odd")
+    for _ in range(2):  # the next sync of the tree works too
+        sync_workspace(small, package.src)
+        copy = package.copy / "data"
+        assert stat.S_IMODE((copy / "secret").stat().st_mode) == 0o600
+        assert stat.S_IMODE((copy / "run.sh").stat().st_mode) == 0o755
+        assert (copy / long).read_text() == "long" and (copy / odd).read_text() == "odd"
+    (data / "run.sh").chmod(0o700)  # a mode change alone travels
+    assert sync_workspace(small, package.src).files_sent == 1
+    assert stat.S_IMODE((package.copy / "data" / "run.sh").stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another user")
+def test_a_workspace_directory_of_another_user_is_refused(small: ProcMesh, package: Package,
+                                                          workspaces: Path) -> None:
+    copy = package.copy
+    sync_workspace(small, package.src)
+    os.chown(copy, 65534, 65534)  # nobody's, as if they had made it first
+    try:
+        with pytest.raises(ActorError, match="owned by uid 65534"):
+            sync_workspace(small, package.src)
+    finally:
+        os.chown(copy, 0, 0)
