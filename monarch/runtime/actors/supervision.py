@@ -60,11 +60,13 @@ class Fault:
 
     def delivered(self) -> bool:
         """Whether monarch raised the fault's error to the program (a call of it raised SupervisionError)."""
-        if self.error.__traceback__ is None:
-            return False
+        return self.error.__traceback__ is not None
+
+    def settle_delivered(self) -> None:
+        """Delivered: the next call of the failed actor mesh no longer raises it (it is stopped, as usual)."""
         if self.mesh is not None:
             self.mesh.unhandled.pop(self.failure.actor, None)
-        return True
+        self.settled.set()
 
 
 _faults: dict[tuple[str, str], Fault] = {}  # (proc mesh name, actor mesh name or "") -> its fault
@@ -134,7 +136,7 @@ def _knock(fault: Fault) -> None:
         return
     while not fault.settled.is_set() and main.is_alive():
         if fault.delivered():
-            fault.settled.set()
+            fault.settle_delivered()
         elif _shell() and not _in_cell(sys._current_frames().get(main.ident or 0)):
             _report([fault], "No cell was running, so none was interrupted")
         else:
