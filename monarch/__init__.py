@@ -22,7 +22,8 @@ _LAZY = {
     "debug": "monarch.runtime.actors.proc_mesh", "LocalMesh": "monarch.runtime.session.local",
     **{name: "monarch.runtime.session.api" for name in (
         "distribute_tensor", "randn", "rand", "randint", "zeros", "ones", "full", "empty", "arange",
-        "fetch", "synchronize", "explain", "local_map")},
+        "fetch", "synchronize", "explain")},
+    "local_map": "monarch.runtime.session.local_map",
     **dict.fromkeys(("parallelize_module", "data_parallel", "full_state_dict", "ParallelStyle", "ColwiseParallel",
                      "RowwiseParallel", "SequenceParallel"), "monarch.parallel"),
 }

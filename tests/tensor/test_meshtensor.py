@@ -112,6 +112,22 @@ def test_distribute_full_tensor_round_trip(procs: ProcMesh, data: st.DataObject)
     assert torch.equal(fetch(x), t)
 
 
+@pytest.mark.parametrize("placements", [{"dp": Shard(0)}, {"tp": Shard(1), "dp": Partial()}, None])
+def test_distribute_tensor_of_a_computed_tensor_is_differentiable(procs: ProcMesh, placements: Any) -> None:
+    """Gradients reach the plain tensors it was computed from, as in plain torch; a leaf stays a leaf."""
+    base = torch.randn(4, 3, requires_grad=True)
+    ref = base.detach().clone().requires_grad_()
+    other = torch.randn(4, 3)
+    d = monarch.distribute_tensor(base * 2 + 1, procs, placements)
+    assert not d.is_leaf and d.requires_grad
+    (torch.sin(d) * monarch.distribute_tensor(other, procs)).sum().backward()
+    (torch.sin(ref * 2 + 1) * other).sum().backward()
+    assert type(base.grad) is torch.Tensor
+    torch.testing.assert_close(base.grad, ref.grad)
+    leaf = monarch.distribute_tensor(ref, procs, placements)
+    assert leaf.is_leaf and leaf.requires_grad
+
+
 def test_item_tolist_repr_fetch(procs: ProcMesh, capsys: pytest.CaptureFixture[str]) -> None:
     t = torch.arange(12.0).reshape(3, 4)
     x = monarch.distribute_tensor(t, procs, {"dp": Shard(0), "tp": Shard(1)})

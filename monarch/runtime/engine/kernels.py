@@ -5,7 +5,8 @@ in-place op on the result cannot reach a buffer another MeshTensor holds).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -64,14 +65,27 @@ _LOCAL_FNS: dict[bytes, Callable[..., Any]] = {}
 Planned = tuple[tuple[tuple[int, ...], torch.dtype], ...]  # (local shape, dtype) of each output
 
 
-def local_map(fn: bytes, name: str, planned: Planned, *args: Any) -> Any:
+class Tape:
+    """What a local_map call that needs gradients keeps for its backward: the inputs that need one and
+    fn's results, with the autograd graph between them."""
+    __slots__ = ("ins", "outs")
+
+    def __init__(self, ins: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...]) -> None:
+        self.ins, self.outs = ins, outs
+
+
+def local_map(fn: bytes, name: str, planned: Planned, needs: tuple[int, ...], *args: Any) -> Any:
     """Run a user function (pickled by the controller) on this rank's pieces; its results must have the
-    local shapes and dtypes that tracing it on meta tensors planned (ShardingError otherwise)."""
+    local shapes and dtypes that tracing it on meta tensors planned (ShardingError otherwise). With
+    `needs` (the arguments that need a gradient), the results are followed by their Tape."""
     f = _LOCAL_FNS.get(fn)
     if f is None:
         from monarch.runtime.control import codec
         f = _LOCAL_FNS[fn] = codec.loads(fn)
-    out = f(*args)
+    if needs:
+        args = tuple(a.detach().requires_grad_() if i in needs else a for i, a in enumerate(args))
+    with torch.enable_grad() if needs else contextlib.nullcontext():
+        out = f(*args)
     multi = isinstance(out, (tuple, list))
     outs = list(out) if multi else [out]
     if len(outs) != len(planned):
@@ -79,7 +93,19 @@ def local_map(fn: bytes, name: str, planned: Planned, *args: Any) -> Any:
                          f"gave {len(planned)}; fn must return the same structure on real and on meta tensors")
     for k, (o, (shape, dtype)) in enumerate(zip(outs, planned, strict=True)):
         _check_planned(name, k, o, shape, dtype)
+    if needs:
+        return (*(o.detach().contiguous() for o in outs), Tape(tuple(args[i] for i in needs), tuple(outs)))
     return tuple(o.contiguous() for o in outs) if multi else out.contiguous()
+
+
+def local_map_backward(tape: Tape, *grads: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The gradients of a local_map call's inputs from its results' (None: none reached that result)."""
+    pairs = [(o, g) for o, g in zip(tape.outs, grads, strict=True) if g is not None and o.requires_grad]
+    got: Sequence[torch.Tensor | None] = [None] * len(tape.ins)
+    if pairs:  # the graph stays for another backward until the controller frees the tape, as in torch
+        got = torch.autograd.grad([o for o, _ in pairs], tape.ins, [g for _, g in pairs], retain_graph=True,
+                                  allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g.contiguous() for x, g in zip(tape.ins, got, strict=True))
 
 
 def _check_planned(name: str, k: int, o: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -114,7 +140,8 @@ def _checkpoint(name: str) -> Callable[..., Any]:
 KERNELS: dict[str, Callable[..., Any]] = {
     "monarch::chunk": chunk, "monarch::partialize": partialize, "monarch::constant": constant,
     "monarch::random": random, "monarch::arange": arange,
-    "monarch::local_map": local_map, "monarch::matmul": torch.matmul, "monarch::refused": refused,
+    "monarch::local_map": local_map, "monarch::local_map_backward": local_map_backward,
+    "monarch::matmul": torch.matmul, "monarch::refused": refused,
     "monarch::linear": torch.nn.functional.linear, "monarch::linear_weight_grad": linear_weight_grad,
     **{f"monarch::dcp_{name}": _checkpoint(name) for name in (
         "write", "wait", "finish", "abort", "metadata", "read", "rng_state", "set_rng_state")},

@@ -1,4 +1,4 @@
-"""The sharded-tensor API on the controller: distribute_tensor, factories, fetch, local_map, explain.
+"""The sharded-tensor API on the controller: distribute_tensor, factories, fetch, explain, activate.
 
 Factories record one node whose per-rank instruction creates the rank's piece on the worker; random
 factories draw the global tensor from a seed (so the values do not depend on the placement) and keep
@@ -18,8 +18,7 @@ from monarch.errors import ShardingError
 from monarch.graph.partition import outline, partition
 from monarch.graph.rules.common import random_piece
 from monarch.graph.rules.table import Emit
-from monarch.program.instr import Buf, Local
-from monarch.runtime.control import codec
+from monarch.program.instr import Local
 from monarch.runtime.control.client import register_tensor_api
 from monarch.runtime.control.futures import Future
 from monarch.runtime.engine import kernels
@@ -128,12 +127,21 @@ def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg
     A Partial placement keeps the data on the first rank of that dim (the others hold the reduction's
     identity), as redistributing a replicated tensor to Partial does. A MeshTensor of `mesh` is
     redistributed; one of another mesh (e.g. made by a factory inside another mesh's `activate()`) is
-    fetched first, as a redistribution cannot cross meshes."""
+    fetched first, as a redistribution cannot cross meshes. A leaf gives a new leaf that requires grad
+    when `tensor` does (a parameter); a tensor computed from others stays differentiable: in backward
+    its gradient is fetched to the controller (or to the other mesh, placed as `tensor` was)."""
     s = session_of(mesh)
-    grad = tensor.requires_grad
+    if isinstance(tensor, MeshTensor) and tensor._backend is s:
+        return tensor.redistribute(placements or {})
+    if tensor.requires_grad and not tensor.is_leaf:
+        return _Distribute.apply(tensor, mesh, placements)
+    return _copy(tensor, mesh, placements).requires_grad_(tensor.requires_grad)
+
+
+def _copy(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg) -> MeshTensor:
+    """distribute_tensor of a plain tensor or of a MeshTensor of another mesh, outside autograd."""
+    s = session_of(mesh)
     if isinstance(tensor, MeshTensor):
-        if tensor._backend is s:
-            return tensor.redistribute(placements or {})
         tensor = tensor.full_tensor()
     ps = normalize(placements, s.abstract.labels, tensor.ndim, "distribute_tensor")
     whole = tuple(Replicate() if isinstance(p, Partial) else p for p in ps)
@@ -144,10 +152,21 @@ def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg
         for d, (start, n) in enumerate(spec.bounds(ctx.coords)):
             piece = piece.narrow(d, start, n)
         return Local("monarch::constant", (piece.clone(),), {}, ctx.out_ids)
-    t = _factory(mesh, tuple(data.shape), data.dtype, whole, make, "distribute_tensor").redistribute(ps)
-    if grad:
-        t.requires_grad_(True)
-    return t
+    return _factory(mesh, tuple(data.shape), data.dtype, whole, make, "distribute_tensor").redistribute(ps)
+
+
+class _Distribute(torch.autograd.Function):
+    """distribute_tensor of a tensor computed from others: the gradient goes back where the tensor lives."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, mesh: Any, placements: PlacementsArg) -> MeshTensor:
+        ctx.source = (tensor.mesh, tensor.placements) if isinstance(tensor, MeshTensor) else None
+        return _copy(tensor, mesh, placements)
+
+    @staticmethod
+    def backward(ctx: Any, grad: MeshTensor) -> tuple[torch.Tensor, None, None]:
+        whole = grad.full_tensor()
+        return (whole if ctx.source is None else _copy(whole, *ctx.source)), None, None
 
 
 def rank(procs: Any, dim: str) -> MeshTensor:
@@ -225,71 +244,6 @@ class _Factories(TorchFunctionMode):
 def activate(procs: Any) -> Iterator[Any]:
     with _Factories(procs):
         yield procs
-
-
-def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | None],
-              out_placements: PlacementsArg | Sequence[PlacementsArg]) -> Callable[..., Any]:
-    """`fn` run on each rank's local pieces: MeshTensor arguments are redistributed to `in_placements`
-    (one entry per positional argument; None keeps a tensor as it is), and the local results form
-    MeshTensors placed as `out_placements` (one entry per output when fn returns a tuple)."""
-    blob, name = codec.dumps(fn), getattr(fn, "__qualname__", repr(fn))
-
-    @eager_under_torch_compile
-    def run(*args: Any) -> Any:
-        tensors = [a for a in args if isinstance(a, MeshTensor)]
-        if not tensors or len(in_placements) != len(args):
-            raise ShardingError(f"local_map({getattr(fn, '__name__', fn)}): give one in_placements entry per "
-                                f"argument ({len(args)}), and at least one MeshTensor argument")
-        s = tensors[0]._backend
-        assert isinstance(s, Session)
-        moved = [a.redistribute(p) if isinstance(a, MeshTensor) and p is not None else a
-                 for a, p in zip(args, in_placements, strict=True)]
-        ins = [a for a in moved if isinstance(a, MeshTensor)]
-        multi = isinstance(out_placements, (list, tuple)) and bool(out_placements) and \
-            not isinstance(out_placements[0], Placement)
-        outs: list[Any] = list(out_placements) if multi else [out_placements]  # type: ignore[arg-type]
-        specs = _local_map_specs(fn, moved, outs, s)
-        srcs = [s.tracer._moved(t, t._spec) for t in ins]
-        it = iter([Buf(i) for _, i in srcs])
-        local_args = tuple(next(it) if isinstance(a, MeshTensor) else a for a in moved)
-
-        def make(ctx: Emit) -> list[Local]:  # the worker checks fn's results against this rank's plan
-            planned = tuple((spec.local_shape(ctx.coords), spec.dtype) for spec in specs)
-            return [Local("monarch::local_map", (blob, name, planned, *local_args), {}, ctx.out_ids)]
-        node, ids = s.tracer.node(fn, tuple(n for n, _ in srcs), specs, make)
-        results = [s.tracer.wrap(spec, node, i) for spec, i in zip(specs, ids, strict=True)]
-        return tuple(results) if multi else results[0]
-    return run
-
-
-def _local_map_specs(fn: Callable[..., Any], args: list[Any], outs: list[PlacementsArg],
-                     s: Session) -> tuple[Spec, ...]:
-    """Global output specs, from running fn on meta tensors of every rank's local shapes."""
-    per_rank = []
-    for coords in s.abstract.coords():
-        metas = [torch.empty(a._spec.local_shape(coords), dtype=a.dtype, device="meta")
-                 if isinstance(a, MeshTensor) else a for a in args]
-        r = fn(*metas)
-        per_rank.append(list(r) if isinstance(r, (tuple, list)) else [r])
-    if len(per_rank[0]) != len(outs):
-        raise ShardingError(f"local_map: fn returns {len(per_rank[0])} tensors but out_placements has {len(outs)}")
-    specs = []
-    for k, placements in enumerate(outs):
-        local = [r[k] for r in per_rank]
-        ps = normalize(placements, s.abstract.labels, local[0].ndim, "local_map out_placements")
-        shape = list(local[0].shape)
-        for d in {p.dim for p in ps if isinstance(p, Shard)}:
-            shape[d] = sum(m.shape[d] for c, m in zip(s.abstract.coords(), local, strict=True)
-                           if all(ci == 0 for ci, p in zip(c, ps, strict=True) if not p.is_shard(d)))
-        meta = torch.empty(shape, dtype=local[0].dtype, device="meta")
-        spec = Spec(tuple(shape), tuple(meta.stride()), meta.dtype, ps, s.abstract)
-        for c, m in zip(s.abstract.coords(), local, strict=True):
-            if spec.local_shape(c) != tuple(m.shape):
-                raise ShardingError(f"local_map: rank {c} returned shape {tuple(m.shape)}, but output {k} placed "
-                                    f"{ps} of global shape {tuple(shape)} needs {spec.local_shape(c)} there "
-                                    "(pieces must be torch.chunk pieces)")
-        specs.append(spec)
-    return tuple(specs)
 
 
 FACTORIES: dict[str, Callable[..., Any]] = {f.__name__: f for f in (

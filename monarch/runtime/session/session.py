@@ -125,14 +125,19 @@ class Session:
         srcs = [self.tracer._moved(t, t._spec) for t in ins]
         bufs = tuple(Buf(i) for _, i in srcs)
         index = {c: n for n, c in enumerate(self.abstract.coords())}
-        value = spec_of(torch.empty((), dtype=torch.uint8, device="meta"), (Replicate(),) * len(self.abstract),
-                        self.abstract)
+        value = self.value_spec()
         out_specs = tuple(value if spec is None else spec for spec in specs)
 
         def make(ctx: Emit) -> list[Local]:
             return [Local(op, (*args_of(index[ctx.coords], ctx.coords), *bufs), {}, ctx.out_ids)]
         node, ids = self.tracer.node(_target(op), tuple(n for n, _ in srcs), out_specs, make)
         return [self.tracer.wrap(spec, node, i) for spec, i in zip(out_specs, ids, strict=True)]
+
+    def value_spec(self) -> Spec:
+        """The spec of a buffer holding any Python value on each rank (a kernel's result, never fetched as
+        a tensor)."""
+        return spec_of(torch.empty((), dtype=torch.uint8, device="meta"), (Replicate(),) * len(self.abstract),
+                       self.abstract)
 
     def adopt(self, target: MeshTensor, source: MeshTensor) -> bool:
         """Let `target` name `source`'s buffer from now on, as a load that replaces all of its values does,
