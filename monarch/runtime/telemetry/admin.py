@@ -1,7 +1,8 @@
 """The controller's admin endpoint: other local processes (`monarch query`, `monarch top`) run SQL here.
 
 A thread of the controller listens on loopback and announces its port and a random token in a file
-only this user can read (`$XDG_RUNTIME_DIR` or the temp dir, `monarch/controller-<pid>.json`). A
+only this user can read (`monarch-<uid>/controller-<pid>.json` in the user's runtime directory, else the
+temp dir; the directory must be this user's alone, and the file is created anew, never through a link). A
 client sends the token first (compared in constant time before anything else is read), then one
 JSON request `{"sql": ...}`; the answer is JSON `{"columns": [...], "rows": [...], "late": [...]}` (late:
 the ranks that did not send their events within WAIT_S) or `{"error": ...}`. A request `{"debug": true}` opens a
@@ -18,6 +19,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from monarch import config
+from monarch.errors import MonarchError
 from monarch.runtime.control import codec
 from monarch.runtime.telemetry.store import Rows
 
@@ -40,11 +43,46 @@ TOKEN_DEADLINE_S = 1.0   # an unauthenticated connection has this long, in all, 
 REQUEST_DEADLINE_S = 10.0  # and once authenticated, this long to send its request
 
 
+RUNTIME_ROOT = "/run/user"  # where logind keeps each user's runtime directory
+
+
+class UnsafeAnnounceDir(MonarchError, PermissionError):
+    """The announce directory or file is not this user's alone: another user could read the token."""
+
+
 def announce_dir() -> Path:
-    base = config.external("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    path = Path(base) / f"monarch-{os.getuid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
+    """`monarch-<uid>` in this user's runtime directory (`$XDG_RUNTIME_DIR`, else `/run/user/<uid>`), else
+    in the temp dir; made 0700 here, and refused when it is a link, another user's, or open to others."""
+    uid = os.geteuid()
+    runtime = Path(RUNTIME_ROOT) / str(uid)
+    base = config.external("XDG_RUNTIME_DIR") or (str(runtime) if _private(runtime, uid) else tempfile.gettempdir())
+    path = Path(base) / f"monarch-{uid}"
+    with suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    if not _private(path, uid):
+        st = os.lstat(path)
+        raise UnsafeAnnounceDir(
+            f"{path} holds the admin token of this user's controllers, but it is {_why(st, uid)}: another user "
+            f"may have made it to read the token. Remove it (it is re-made 0700), or set XDG_RUNTIME_DIR to a "
+            "directory only you can use, or MONARCH_ADMIN=0 to run without the admin endpoint")
     return path
+
+
+def _private(path: Path, uid: int, kind: int = stat.S_IFDIR) -> bool:
+    """Whether `path` itself (no link) is a `kind` file of `uid` that no one else can read or write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_IFMT(st.st_mode) == kind and st.st_uid == uid and not st.st_mode & 0o077
+
+
+def _why(st: os.stat_result, uid: int) -> str:
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if st.st_uid != uid:
+        return f"owned by uid {st.st_uid}"
+    return f"open to others (mode {oct(stat.S_IMODE(st.st_mode))})" if stat.S_ISDIR(st.st_mode) else "not a directory"
 
 
 def send_json(sock: socket.socket, obj: Any) -> None:
@@ -70,7 +108,9 @@ class AdminServer:
         self.path = announce_dir() / f"controller-{os.getpid()}.json"
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._queries = threading.Lock()  # one query at a time reaches the controller
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with suppress(FileNotFoundError):  # a stale one of an earlier process with this pid (or a link)
+            os.unlink(self.path)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"pid": os.getpid(), "port": self.port, "token": self.token.hex()}, f)
         atexit.register(self.close)
@@ -115,7 +155,6 @@ class AdminServer:
         except Exception as e:  # noqa: BLE001 - the client shows the error
             send_json(conn, {"error": f"{type(e).__name__}: {e}"})
 
-
     def _debug(self, conn: socket.socket) -> None:
         """A console over the ranks paused in pdb: lines until quit (no deadline: a person types them)."""
         from monarch.runtime.telemetry.debug_console import BANNER, DebugConsole
@@ -131,6 +170,8 @@ def controllers() -> list[dict[str, Any]]:
     """Announcements of the live controllers of this user, newest first."""
     found = []
     for path in announce_dir().glob("controller-*.json"):
+        if not _private(path, os.geteuid(), stat.S_IFREG):
+            continue  # not written by a controller of this user
         with suppress(OSError, ValueError):
             info = json.loads(path.read_text())
             os.kill(int(info["pid"]), 0)
