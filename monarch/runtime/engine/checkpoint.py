@@ -43,8 +43,8 @@ class MetadataUnpickler(pickle.Unpickler):
     or any other class is how a crafted pickle runs code)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_TYPES or module == "torch" and isinstance(getattr(torch, name, None),
-                                                                               torch.dtype):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or (module, name) in _METADATA_TYPES:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"its .metadata names {module}.{name}, which is not a DCP metadata type")
 
