@@ -15,9 +15,11 @@ import select
 import signal
 import socket
 import sys
+import time
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 
 from monarch import config
 from monarch.runtime.control.codec import ROLE_MONITOR, ROLE_WORKER, Header, encode_frame
@@ -151,11 +153,14 @@ def _monitor(launch: Launch, child: int, pipes: dict[int, int], prefix: bytes) -
     controller dies (even by SIGKILL) the child is killed at once, not after its queued work."""
     partial = {fd: b"" for fd in pipes}
     tail: deque[str] = deque(maxlen=20)
+    check = time.monotonic() + OWNER_CHECK_S  # on a clock: a worker that writes all the time is no excuse
     while partial:
-        ready = select.select(list(partial), [], [], OWNER_CHECK_S)[0]
-        if not ready and launch.local and not _alive(launch.owner):
-            with suppress(OSError):
-                os.kill(child, signal.SIGKILL)
+        ready = select.select(list(partial), [], [], max(0.0, check - time.monotonic()))[0]
+        if time.monotonic() >= check:
+            check = time.monotonic() + OWNER_CHECK_S
+            if launch.local and not _alive(launch.owner):
+                with suppress(OSError):
+                    os.kill(child, signal.SIGKILL)
         for fd in ready:
             data = os.read(fd, 65536)
             lines = (partial[fd] + data).split(b"\n")
@@ -179,15 +184,23 @@ def _monitor(launch: Launch, child: int, pipes: dict[int, int], prefix: bytes) -
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` runs: a zombie (dead, not yet reaped by its parent) does not; kill(pid, 0)
+    alone would say it does."""
     if pid <= 0:
         return True
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except (OSError, IndexError):  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    return state not in ("Z", "X", "x")
 
 
 def _write(fd: int, data: bytes) -> None:
