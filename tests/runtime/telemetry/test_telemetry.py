@@ -76,7 +76,7 @@ def test_messages_name_their_sender(procs: ProcMesh) -> None:
     echo = procs.spawn("telemetry_relay", Echo)
     assert echo.slice(dp=1, tp=0).relay.call_one(echo.slice(dp=0, tp=1)).get(timeout=T) == 7
     assert procs.sql("SELECT rank, endpoint, sender FROM messages WHERE actor = 'telemetry_relay' ORDER BY rank") == [
-        (1, "ping", "procs[2]"), (2, "relay", "controller")]
+        (1, "ping", f"{procs.name}[2]"), (2, "relay", "controller")]
 
 
 def test_a_busy_rank_holds_up_no_query_and_loses_no_events(procs: ProcMesh) -> None:
@@ -87,7 +87,7 @@ def test_a_busy_rank_holds_up_no_query_and_loses_no_events(procs: ProcMesh) -> N
     time.sleep(0.3)
     started = time.monotonic()
     for _ in range(3):  # the busy rank is asked once, not once per query
-        assert procs.sql("SELECT 1", timeout=0.2).late == ["procs[1]"]
+        assert procs.sql("SELECT 1", timeout=0.2).late == [f"{procs.name}[1]"]
     assert time.monotonic() - started < 2.0
     assert sum(type(s) is TelemetrySink for s in procs._mesh.pending.values()) == 1
     napping.get(timeout=T)
