@@ -4,8 +4,9 @@ A call with a new signature runs the step while recording it (a sync point insid
 partitions the whole graph once, installs one program per rank and runs it. Later calls with the same
 signature send each worker one small message naming the program, the buffers it reads and the ones it
 writes, and return new lazy MeshTensors. The signature covers the tensor arguments' shapes, dtypes and
-placements, Python scalars, and the state of the optimizers and modules the step reaches; a change
-retraces (logged at debug level with the reason).
+placements and the Python scalars passed or named by the step's own code; each program's guards (guards.py)
+cover the state its recording met: optimizers, modules, parameters' `.grad`. A change retraces (logged at
+debug level with the reason). Scalars a helper function reads from its own closure or globals are baked in.
 """
 from __future__ import annotations
 
@@ -205,7 +206,7 @@ def feeds(slots: tuple[tuple[int, int], ...], flat: list[Any], salt: int | None)
     arrays where numpy has the dtype: they pickle many times faster than tensors; and under `salt` a new
     draw of monarch.manual_seed's stream, so that the program's random ops draw new numbers each call."""
     data = tuple((fid, _portable(flat[slot].detach())) for fid, slot in slots)
-    return data if salt is None else data + ((salt, _portable(torch.tensor(next_seed()))),)
+    return data if salt is None else data + ((salt, _portable(torch.tensor(next_seed(), device="cpu"))),)
 
 
 def _portable(t: torch.Tensor) -> Any:
@@ -273,9 +274,9 @@ class CompiledStep:
                              f"parameters or optimizer; {_name(self.fn)} used {[s.mesh for s in used]}")
         self.traces += 1
         program, result = install(target, captures[target], result, flat, watch)
+        watch.refuse_changes(_name(self.fn))  # after the call ran: its MeshTensors are consistent
         for opt in watch.unconverted:
             make_capturable(opt)
-        watch.refuse_changes(_name(self.fn))  # after the call ran: its MeshTensors are consistent
         return (None if watch.unconverted else program), result
 
 
@@ -406,8 +407,10 @@ def near(fn: Callable[..., Any], flat: list[Any]) -> list[Any]:
 
 
 def _named(fn: Callable[..., Any]) -> list[Any]:
-    """The step's closure cells, the globals its code names, and the object of a bound method."""
+    """The step's closure cells, default arguments, the globals its code names, and the object of a bound
+    method."""
     found = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+    found += [*(getattr(fn, "__defaults__", None) or ()), *(getattr(fn, "__kwdefaults__", None) or {}).values()]
     code, env = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
     if code is not None:
         found += [env[n] for n in code.co_names if n in env]

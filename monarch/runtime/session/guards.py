@@ -26,13 +26,14 @@ from monarch.graph.trace import SCALARS
 from monarch.tensor.meshtensor import MeshTensor
 
 CONSTANTS = (*SCALARS, str, type(None))  # what a program is keyed by the value of
+_PLAIN = frozenset(CONSTANTS)  # their exact types: a set lookup is the fast path of the checks before each call
 _stepped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers a recorded step ran
 
 
 def value(v: Any) -> Any:
     """A comparable snapshot of a hyperparameter, a module attribute or optimizer state. A MeshTensor counts
     by identity: the program reads it as an input; a plain tensor by value: the program holds a copy."""
-    if isinstance(v, CONSTANTS):
+    if type(v) in _PLAIN or isinstance(v, CONSTANTS):
         return v
     if isinstance(v, tuple):
         return tuple(value(x) for x in v)
@@ -59,7 +60,20 @@ def _param_state(st: dict[str, Any] | None) -> tuple[Any, ...]:
 
 def module_state(mod: torch.nn.Module) -> tuple[Any, ...]:
     """Its plain attributes (`training`, sizes, flags, scalars a forward reads)."""
-    return tuple((k, value(v)) for k, v in vars(mod).items() if isinstance(v, (*CONSTANTS, tuple)))
+    return tuple((k, v if type(v) in _PLAIN else value(v)) for k, v in vars(mod).items()
+                 if type(v) in _PLAIN or isinstance(v, (*CONSTANTS, tuple)))
+
+
+def _attributes(names: tuple[str, ...], mod: torch.nn.Module) -> tuple[Any, ...]:
+    """module_state(mod) as a guard reads it before each call: the attributes it had (and how many)."""
+    d = vars(mod)
+    return len(d), tuple((k, v if type(v) in _PLAIN else value(v)) for k in names for v in (d.get(k, _UNSET),))
+
+
+def _module_guard(mod: torch.nn.Module, state: tuple[Any, ...]) -> Guard:
+    """Read after the step was recorded: refuse_changes checks that its state is still `state`."""
+    read = functools.partial(_attributes, tuple(k for k, _ in state))
+    return Guard(type(mod).__name__, weakref.ref(mod), read(mod), read)
 
 
 def _grad_state(p: torch.Tensor) -> bool:
@@ -90,10 +104,11 @@ class Guards:
     grads: tuple[tuple[weakref.ref, bool], ...]  # (parameter, whether it had a .grad), checked first
 
     def why_not(self) -> str | None:
-        for ref, had in self.grads:
-            p = ref()
-            if p is None or (p.grad is not None) != had:
-                return "a parameter is gone" if p is None else f"a parameter's .grad is {'None' if had else 'set'}"
+        with torch._C.DisableTorchFunctionSubclass():  # reads .grad as torch does, without MeshTensor's hook
+            for ref, had in self.grads:
+                p = ref()
+                if p is None or (p.grad is not None) != had:
+                    return "a parameter is gone" if p is None else f"a parameter's .grad is {'None' if had else 'set'}"
         return next((why for g in self.guards if (why := g.why_not()) is not None), None)
 
 
@@ -152,26 +167,40 @@ class Watch:
         by `id`) had a `.grad`."""
         return Guards(
             tuple(Guard(type(o).__name__, weakref.ref(o), s, optimizer_state) for o, s in self.optimizers.values()) +
-            tuple(Guard(type(m).__name__, weakref.ref(m), s, module_state) for m, s in self.modules.values()),
+            tuple(_module_guard(m, s) for m, s in self.modules.values()),
             tuple((weakref.ref(p), g is not None) for p, g in self.grads.values() if id(p) not in arguments))
 
     def refuse_changes(self, step: str) -> None:
         """Raise TraceError for state the step changed in Python while it was recorded."""
         for opt, (groups, params) in self.optimizers.values():
             now_groups, now_params = optimizer_state(opt)
-            _refuse_change(step, f"{type(opt).__name__}.param_groups", groups, now_groups,
+            name = type(opt).__name__
+            _refuse_change(step, _groups(name, groups), _groups(name, now_groups),
                            "step LR schedulers and set hyperparameters outside the compiled step, between calls")
             if opt not in self.unconverted:
                 _refuse_python_state(step, opt, params, now_params)
         for mod, state in self.modules.values():
-            _refuse_change(step, f"{type(mod).__name__} module", state, module_state(mod),
+            name = type(mod).__name__
+            _refuse_change(step, [(f"{name}.{k}", v) for k, v in state],
+                           [(f"{name}.{k}", v) for k, v in module_state(mod)],
                            "set module attributes and modes (train/eval) outside the compiled step")
 
 
-def _refuse_change(step: str, what: str, before: Any, after: Any, fix: str) -> None:
-    if before != after:
-        raise TraceError(f"{step} changed {what} while it was recorded ({before} -> {after}); a replay runs only "
-                         f"the recorded tensor operations and would not change them again: {fix}")
+def _groups(name: str, groups: tuple) -> list[tuple[str, Any]]:
+    return [(f"{name}.param_groups[{i}][{k!r}]", v) for i, g in enumerate(groups) for k, v in g]
+
+
+_UNSET = "(unset)"
+
+
+def _refuse_change(step: str, before: list[tuple[str, Any]], after: list[tuple[str, Any]], fix: str) -> None:
+    """Raise for the first named value that differs between `before` and `after`."""
+    was, now = dict(before), dict(after)
+    for what in {**was, **now}:
+        if was.get(what, _UNSET) != now.get(what, _UNSET):
+            raise TraceError(f"{step} changed {what} from {was.get(what, _UNSET)} to {now.get(what, _UNSET)} while it "
+                             "was recorded; "
+                             f"a replay runs only the recorded tensor operations and would not change it again: {fix}")
 
 
 def _refuse_python_state(step: str, opt: torch.optim.Optimizer, before: tuple, after: tuple) -> None:

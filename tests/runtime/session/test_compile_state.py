@@ -134,9 +134,8 @@ def test_a_compiled_forward_backward_accumulates_gradients(procs: ProcMesh) -> N
                 opt.step()
                 opt.zero_grad()
         runs.append((seen, params(m)))
-        if mesh is not None:
-            assert run.traces == 2, "one program makes fresh gradients, one accumulates"
     close(runs[1], runs[0])
+    assert run.traces == 2, "one program makes fresh gradients, one accumulates"
 
 
 class Scaled(nn.Module):
@@ -176,13 +175,44 @@ def test_module_attributes_and_closure_scalars_retrace(procs: ProcMesh) -> None:
     close(runs[1], runs[0])
 
 
-def test_state_a_step_changes_while_recorded_is_refused() -> None:
-    mesh = LocalMesh({"dp": 2})
+def test_an_adamw_that_stepped_eagerly_before_compiling(procs: ProcMesh) -> None:
+    """Its step counts were plain tensors when the compiled step first met it through a helper."""
+    runs = []
+    for mesh in (None, procs):
+        m = model()
+        if mesh is not None:
+            monarch.data_parallel(m, mesh, dim="dp")
+        update = updater(torch.optim.AdamW(m.parameters(), lr=0.05))
+
+        def step(x: torch.Tensor, y: torch.Tensor, m: nn.Module = m) -> torch.Tensor:
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            update()
+            return loss
+        run = monarch.compile(step) if mesh is not None else step
+        data = batches(5)
+        losses = [step(*data[0])] + [run(x, y) for x, y in data[1:]]
+        runs.append(([value(t) for t in losses], params(m)))
+    close(runs[1], runs[0])
+
+
+class Counting(nn.Linear):
+    """A layer that counts its forward calls in a plain attribute."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def scheduled_inside(mesh: LocalMesh) -> Callable[..., Any]:
     m = monarch.data_parallel(model(), mesh, dim="dp")
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
-    @monarch.compile
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.mse_loss(m(x), y)
         loss.backward()
@@ -190,8 +220,38 @@ def test_state_a_step_changes_while_recorded_is_refused() -> None:
         opt.zero_grad()
         sched.step()
         return loss
+    return step
 
+
+def nadam(mesh: LocalMesh) -> Callable[..., Any]:
+    m = monarch.data_parallel(model(), mesh, dim="dp")
+    opt = torch.optim.NAdam(m.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+def counting(mesh: LocalMesh) -> Callable[..., Any]:
+    torch.manual_seed(0)
+    m = monarch.data_parallel(Counting(), mesh, dim="dp")
+    return lambda x, y: F.mse_loss(m(x), y)
+
+
+@pytest.mark.parametrize("make, message", [
+    (scheduled_inside, r"changed SGD.param_groups\[0\]\['lr'\] from 0.1 to 0.05 .*step LR schedulers and set "
+                       r"hyperparameters outside the compiled step, between calls"),
+    (nadam, r"NAdam keeps per-parameter state on the controller .*step this one eagerly, outside the compiled step"),
+    (counting, r"changed Counting.calls from 0 to 1 .*set module attributes and modes \(train/eval\) outside the "
+               r"compiled step")], ids=["scheduler-inside", "nadam", "module-attribute"])
+def test_state_a_step_changes_while_recorded_is_refused(make: Callable[[LocalMesh], Callable[..., Any]],
+                                                        message: str) -> None:
+    step = monarch.compile(make(LocalMesh({"dp": 2})))
     x, y = batches(1)[0]
-    with pytest.raises(TraceError, match=r"SGD.param_groups.*step LR schedulers and set hyperparameters outside "
-                                         r"the compiled step"):
-        step(x, y)
+    with pytest.raises(TraceError, match=message):
+        for _ in range(2):  # NAdam's state exists from the second call on
+            step(x, y)
