@@ -27,6 +27,7 @@ from monarch.tensor.meshtensor import MeshTensor
 
 CONSTANTS = (*SCALARS, str, type(None))  # what a program is keyed by the value of
 _PLAIN = frozenset(CONSTANTS)  # their exact types: a set lookup is the fast path of the checks before each call
+_UNSET = "(unset)"  # an attribute a module does not have
 _stepped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers a recorded step ran
 
 
@@ -76,11 +77,6 @@ def _module_guard(mod: torch.nn.Module, state: tuple[Any, ...]) -> Guard:
     return Guard(type(mod).__name__, weakref.ref(mod), read(mod), read)
 
 
-def _grad_state(p: torch.Tensor) -> bool:
-    """Whether backward accumulates into `p.grad` (True) or makes a fresh one (False)."""
-    return p.grad is not None
-
-
 @dataclass(frozen=True)
 class Guard:
     """One object's state when the step was recorded; a replay needs the object to be in it still."""
@@ -114,8 +110,9 @@ class Guards:
 
 @dataclass
 class Watch:
-    """Records, while a step is traced, the state it reads (at first sight): `inputs` is the tracer's
-    callback for MeshTensors read from outside the step; leaves that need gradients are parameters."""
+    """Records, while a step is traced, the state it reads (at first sight): `input` is the tracer's
+    callback for MeshTensors read from outside the step; leaves that need gradients are parameters, and
+    whether backward accumulates into their `.grad` or makes a fresh one depends on it being None."""
     optimizers: dict[int, tuple[torch.optim.Optimizer, Any]] = field(default_factory=dict)
     modules: dict[int, tuple[torch.nn.Module, Any]] = field(default_factory=dict)
     grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # param, its .grad
@@ -123,7 +120,7 @@ class Watch:
 
     def input(self, t: MeshTensor) -> None:
         if t.is_leaf and t.requires_grad:
-            self.grads.setdefault(id(t), (t, t.grad))
+            self._params((t,))
 
     def _params(self, params: Iterable[torch.Tensor]) -> None:
         for p in params:
@@ -188,9 +185,6 @@ class Watch:
 
 def _groups(name: str, groups: tuple) -> list[tuple[str, Any]]:
     return [(f"{name}.param_groups[{i}][{k!r}]", v) for i, g in enumerate(groups) for k, v in g]
-
-
-_UNSET = "(unset)"
 
 
 def _refuse_change(step: str, before: list[tuple[str, Any]], after: list[tuple[str, Any]], fix: str) -> None:
