@@ -174,7 +174,7 @@ def _code_with_source(make: Callable[..., types.CodeType], args: tuple[Any, ...]
 
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, with code objects reduced by `_code_reduce`."""
-    dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
+    dispatch_table = ChainMap({types.CodeType: _code_reduce}, *cloudpickle.Pickler.dispatch_table.maps)
 
 
 def dumps_data(obj: Any) -> bytes:
