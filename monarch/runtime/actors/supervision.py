@@ -153,7 +153,7 @@ def _on_knock(signum: int, frame: FrameType | None) -> None:
         _report(faults, f"The program exits with status {faults[0].code}")
         raise SystemExit(faults[0].code)
     if _in_cell(frame):
-        _report(faults, "The cell was interrupted (the kernel keeps running; spawn a new proc mesh to continue)")
+        _report(faults, "The cell was interrupted; the kernel keeps running")
         raise KeyboardInterrupt
 
 
