@@ -168,8 +168,8 @@ def bincount(x: torch.Tensor, weights: torch.Tensor | None = None, minlength: in
         if low < 0:
             raise ShapeError(f"bincount only supports 1-d non-negative integral inputs, got a value {low}")
         size = max(size, high + 1)
-    probe = None if weights is None else torch.zeros(1, dtype=weights.dtype)
-    dtype = torch.bincount(torch.zeros(1, dtype=torch.long), probe).dtype
+    probe = None if weights is None else torch.zeros(1, dtype=weights.dtype, device="cpu")
+    dtype = torch.bincount(torch.zeros(1, dtype=torch.long, device="cpu"), probe).dtype
     src = x.new_ones(x.shape, dtype=dtype) if weights is None else weights.to(dtype)
     return x.new_zeros((size,), dtype=dtype).index_add(0, x.long(), src)
 
@@ -282,7 +282,7 @@ def _edges(bounds: tuple[float, float], bins: int, dtype: torch.dtype) -> torch.
         raise ShapeError(f"histogram: min should not exceed max, got min {lo} max {hi}")
     if lo == hi:
         lo, hi = lo - 0.5, hi + 0.5
-    return torch.linspace(lo, hi, bins + 1, dtype=dtype)
+    return torch.linspace(lo, hi, bins + 1, dtype=dtype, device="cpu")
 
 
 def _density(hist: torch.Tensor, edges: list[torch.Tensor]) -> torch.Tensor:

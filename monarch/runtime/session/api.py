@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 
 from monarch.errors import ShardingError
 from monarch.graph.partition import outline, partition
@@ -26,6 +28,7 @@ from monarch.runtime.session import torch_state
 from monarch.runtime.session.session import Session, all_sessions, session_of
 from monarch.tensor.meshtensor import MeshTensor, eager_under_torch_compile
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
+from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec
 
 PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
@@ -211,37 +214,79 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
 
 
 class _Factories(TorchFunctionMode):
-    """Inside `procs.activate()`: plain torch factories create replicated MeshTensors on procs. Given a
-    `generator=`, a random factory draws with it here, exactly as plain torch does, and distributes that."""
-    NAMES = {torch.randn: randn, torch.rand: rand, torch.zeros: zeros, torch.ones: ones, torch.empty: empty}
-    RANDOM = (torch.randn, torch.rand, torch.randint)
+    """Inside `procs.activate()` the mesh is the default device, as under `torch.set_default_device`: each
+    torch factory that would make a tensor on the default device (`torch.randn`, `zeros`, `tensor`,
+    `as_tensor`, `eye`, `linspace`, `randperm`, ...: torch's own list) makes a replicated MeshTensor on
+    procs instead. Zeros, ones, empty, full, arange and monarch's random draws are made by the workers;
+    the others are made here and distributed (a random one draws from monarch.manual_seed's stream, or
+    with the `generator=` it is given, exactly as plain torch does). An explicit device is kept, as torch
+    keeps it: `device="cpu"` (torch's own code asks for host tensors that way, e.g. Adam's `step`) makes a
+    plain controller tensor, `device="meta"` a meta one; user code asking for the mesh's device by name
+    is warned once, as is a sparse or nested factory (MeshTensors are dense)."""
+    NATIVE = {torch.randn: randn, torch.rand: rand, torch.zeros: zeros, torch.ones: ones, torch.empty: empty}
 
     def __init__(self, procs: Any) -> None:
         super().__init__()
         self.procs = procs
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if kwargs.get("device") is None and kwargs.get("out") is None:
-            if kwargs.get("generator") is not None:
-                return distribute_tensor(func(*args, **kwargs), self.procs) if func in self.RANDOM else \
-                    func(*args, **kwargs)
-            mine = self.NAMES.get(func)
-            if mine is not None:
-                return mine(*args, mesh=self.procs, dtype=kwargs.get("dtype"))
-            if func is torch.full:
-                return full(*args[0], fill_value=args[1] if len(args) > 1 else kwargs["fill_value"],
-                            mesh=self.procs, dtype=kwargs.get("dtype"))
-            if func is torch.arange:
-                return arange(*args, mesh=self.procs, dtype=kwargs.get("dtype"))
-            if func is torch.randint:
-                *bounds, size = args  # randint(high, size) or randint(low, high, size)
-                return randint(*([0] * (2 - len(bounds)) + bounds), size, mesh=self.procs, dtype=kwargs.get("dtype"))
-        return func(*args, **kwargs)
+        kwargs = kwargs or {}
+        if func not in _CONSTRUCTORS or kwargs.get("out") is not None:
+            return func(*args, **kwargs)
+        device = kwargs.get("device")
+        if func not in _DENSE or device is not None:
+            _warn_plain(func, device)
+            return func(*args, **kwargs)
+        made = self._native(func, args, kwargs)
+        if made is None:
+            if func in _RANDOM and kwargs.get("generator") is None:
+                kwargs = {**kwargs, "generator": torch.Generator().manual_seed(next_seed())}
+            made = func(*args, **kwargs)
+            return made if isinstance(made, MeshTensor) else distribute_tensor(made, self.procs)
+        return made.requires_grad_(bool(kwargs.get("requires_grad")))
+
+    def _native(self, func: Any, args: tuple, kwargs: dict) -> MeshTensor | None:
+        """The factories the workers make, given sizes and at most dtype and requires_grad (else None)."""
+        if any(v is not None and v is not False and k not in ("dtype", "requires_grad") for k, v in kwargs.items()):
+            return None
+        dtype, mine = kwargs.get("dtype"), self.NATIVE.get(func)
+        if mine is not None and all(isinstance(a, (int, tuple, list, torch.Size)) for a in args):
+            return mine(*args, mesh=self.procs, dtype=dtype)
+        if func is torch.full and len(args) == 2:
+            return full(*args[0], fill_value=args[1], mesh=self.procs, dtype=dtype)
+        if func is torch.arange and args:
+            return arange(*args, mesh=self.procs, dtype=dtype)
+        if func is torch.randint and len(args) in (2, 3):
+            *bounds, size = args  # randint(high, size) or randint(low, high, size)
+            return randint(*([0] * (2 - len(bounds)) + bounds), size, mesh=self.procs, dtype=dtype)
+        return None
+
+
+_CONSTRUCTORS = frozenset(_device_constructors())  # what torch.set_default_device redirects
+_DENSE = frozenset(f for f in _CONSTRUCTORS if not f.__name__.startswith(("sparse_", "nested_", "empty_quantized")))
+_RANDOM = frozenset((torch.randn, torch.rand, torch.randint, torch.randperm))
+_warned: set[str] = set()
+
+
+def _warn_plain(func: Any, device: Any) -> None:
+    """Once per process: a factory called by user code inside activate() makes a plain tensor, asked for
+    the mesh's device (cpu) by name, or sparse or nested."""
+    if device is not None and torch.device(device).type != "cpu":
+        return
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    kind = "dense" if device is None else "device"
+    if caller.split(".")[0] in ("torch", "monarch") or kind in _warned:
+        return
+    _warned.add(kind)
+    why = (f"device={device!r} is kept, as under torch.set_default_device; drop device= for a replicated "
+           "MeshTensor on the mesh" if device is not None else "MeshTensors are dense and strided")
+    warnings.warn(f"torch.{func.__name__} inside procs.activate() makes a plain tensor on the controller: {why} "
+                  "(shown once)", UserWarning, stacklevel=3)
 
 
 @contextlib.contextmanager
 def activate(procs: Any) -> Iterator[Any]:
+    """`procs` as the default device: torch factories make replicated MeshTensors on it (see _Factories)."""
     with _Factories(procs):
         yield procs
 

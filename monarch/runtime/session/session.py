@@ -100,7 +100,7 @@ class Session:
         if not writes_first_arg(func):
             return self.tracer._constants(func(*whole(args), **whole(kwargs)))
         target = args[0]
-        blank = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype)
+        blank = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype, device="cpu")
         return target.copy_(func(blank, *whole(args[1:]), **whole(kwargs)))
 
     def redistribute(self, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
