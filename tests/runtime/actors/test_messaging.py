@@ -63,6 +63,10 @@ class Threaded(Actor):
     def feed(self, port: Port[str]) -> None:
         threading.Thread(target=lambda: (time.sleep(0.2), port.send("from a thread"))).start()
 
+    @endpoint
+    def ask_from_a_thread(self, port: Port[int], other: ActorMesh) -> None:
+        threading.Thread(target=lambda: port.send(other.val.call_one().get(timeout=T))).start()
+
 
 class Five(Actor):
     @endpoint
@@ -151,6 +155,8 @@ def test_a_port_sends_from_a_thread_the_actor_started(procs: ProcMesh) -> None:
     port, receiver = Channel.open()
     threaded.feed.call_one(port).get(timeout=T)
     assert receiver.recv().get(timeout=T) == "from a thread"
+    threaded.ask_from_a_thread.call_one(port, procs.slice(dp=1, tp=0).spawn("five_t", Five)).get(timeout=T)
+    assert receiver.recv().get(timeout=T) == 5
 
 
 def test_stream_inside_an_async_endpoint_aimed_at_its_own_worker(procs: ProcMesh) -> None:
