@@ -103,6 +103,7 @@ def take_token(path: str) -> bytes:
 def start(argv: list[str]) -> Boot:
     """Returns only in the worker child; the monitor parent exits with the child's status."""
     launch = parse(argv)
+    _close_inherited_listeners()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     parent = os.getpid()
@@ -120,9 +121,42 @@ def start(argv: list[str]) -> Boot:
     world = MPI.COMM_WORLD
     assert world.Get_rank() == launch.rank, (world.Get_rank(), launch.rank)
     assert world.Get_size() == len(launch.shape), (world.Get_size(), launch.shape)
+    world.Barrier()  # every rank of the job, so of this host, attached MPICH's shared memory
+    _unlink_shared_memory()
     sock = _connect_back(launch)
     sock.sendall(launch.header(ROLE_WORKER) + encode_frame([Hello(os.getpid(), socket.gethostname())]))
     return Boot(sock, launch.rank, launch.mesh_id)
+
+
+def _close_inherited_listeners() -> None:
+    """Close the listening sockets this process inherited (Hydra's control port, open on every interface):
+    a worker serves nothing on them, and holding them would keep the port open after mpiexec is gone."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc
+        return
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket, or already closed (the fd of the listdir above)
+            continue
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.close()
+        else:
+            sock.detach()
+
+
+def _unlink_shared_memory() -> None:
+    """Remove the names of the shared-memory segments MPICH mapped (`/dev/shm/mpich_shm_*`): every rank of
+    this host holds its mapping, and without a name no end of the job (kill -9 included) leaves them behind."""
+    try:
+        with open("/proc/self/maps") as f:
+            names = {line.split(maxsplit=5)[5].rstrip("\n") for line in f if " /dev/shm/mpich_shm_" in line}
+    except OSError:  # no /proc: MPICH removes them at a normal end
+        return
+    for name in names:
+        with suppress(OSError):  # another rank of this host removed it first, or the mapping is "(deleted)"
+            os.unlink(name)
 
 
 def _connect_back(launch: Launch) -> socket.socket:

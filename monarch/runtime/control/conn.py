@@ -146,6 +146,7 @@ class Mesh:
         self.owner: Owner | None = None  # the actor that spawned this proc mesh (None: the client)
         self.proc: subprocess.Popen[bytes] | None = None
         self.kill_signal = signal.SIGKILL  # what the job gets when the mesh fails (the launcher's choice)
+        self.leftovers: set[str] = set()  # files of this job's launcher that only a clean end removes
         self.settled = threading.Event()  # every worker said hello, or the mesh failed
         self.failure: SupervisionError | None = None
         self.unhandled: dict[str, SupervisionError] = {}  # actor mesh -> the fault its next call raises (supervision)

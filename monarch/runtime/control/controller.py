@@ -168,6 +168,7 @@ class Controller:
         cmd = launcher.command(shape, launch.worker_command(shape, control, mesh.id) + handover.args, advertise)
         log.debug("spawning mesh %r (id %d): %s", name, mesh.id, " ".join(cmd))
         self.meshes[mesh.id] = mesh
+        before = launch.topology_files() if launcher.local else set()
         try:
             mesh.proc = launcher.start(cmd, launch.worker_env(env))
             assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
@@ -181,6 +182,7 @@ class Controller:
             raise
         finally:
             handover.remove()  # every worker took its token file by now, or the spawn failed
+            mesh.leftovers = launch.topology_files() - before if launcher.local else set()
         if not mesh.settled.is_set() or mesh.failure is not None:
             why = mesh.failure or f"not every worker connected within {timeout} s (MONARCH_SPAWN_TIMEOUT)"
             self.stop(mesh, grace=0.5)
@@ -199,6 +201,7 @@ class Controller:
             launch.terminate(mesh.proc, grace)
             self._poller.drive(lambda: OUTPUT.drained(mesh.id), time.monotonic() + 1.0)  # its last lines
         OUTPUT.flush(mesh.id)
+        launch.remove(mesh.leftovers)  # the job is gone: what a killed launcher left goes too
         err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} was stopped; spawn a new proc mesh")
         self._ended[mesh.id] = err
         mesh.fail_pending(err)
@@ -293,6 +296,7 @@ class Controller:
         data, name = pipe.read1(65536), "stderr" if stream is sys.stderr else "stdout"
         if not data:
             self._poller.unwatch(pipe.fileno())
+            pipe.close()
             OUTPUT.end(mesh.id, name)
             if stream is sys.stderr:
                 self._job_exited(mesh)

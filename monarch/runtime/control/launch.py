@@ -7,6 +7,7 @@ ones. This module also picks the control socket's bind and advertised addresses,
 """
 from __future__ import annotations
 
+import glob
 import os
 import secrets
 import shutil
@@ -69,6 +70,28 @@ class Launcher(Protocol):
         """Give back what the launcher holds on its hosts (`HostMesh.shutdown`); proc meshes are stopped."""
 
 
+HYDRA_TOPOLOGY = "/tmp/hydra_hwloc_xmlfile_*"  # each hydra proxy's topology file: removed by a clean end only
+
+
+def topology_files() -> set[str]:
+    """This user's hydra topology files on this host now (`spawn` notes those its job added)."""
+    found = set()
+    for path in glob.glob(HYDRA_TOPOLOGY):
+        with suppress(OSError):
+            if os.lstat(path).st_uid == os.geteuid():
+                found.add(path)
+    return found
+
+
+def remove(paths: set[str]) -> None:
+    for path in paths:
+        with suppress(OSError):
+            os.unlink(path)
+
+
+LOOPBACK = "lo"  # the loopback interface's name on Linux
+
+
 class LocalLauncher:
     """Every rank on this host, forked by mpiexec (the `this_host()` case)."""
     hosts = ["localhost"]
@@ -79,10 +102,12 @@ class LocalLauncher:
         return "127.0.0.1"
 
     def command(self, shape: Shape, worker: list[str], advertise: str) -> list[str]:
-        return [find_mpiexec(), "-n", str(len(shape)), "-launcher", "fork", *worker]
+        return [find_mpiexec(), "-n", str(len(shape)), "-launcher", "fork", "-iface", LOOPBACK, *worker]
 
     def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        return start(cmd, env)
+        """MPI's network modules (UCX, libfabric's tcp and sockets providers) listen on loopback only,
+        unless the user's environment says otherwise."""
+        return start(cmd, {"UCX_NET_DEVICES": LOOPBACK, "FI_TCP_IFACE": LOOPBACK, "FI_SOCKETS_IFACE": LOOPBACK, **env})
 
     def subset(self, hosts: list[str]) -> LocalLauncher:
         return self

@@ -16,8 +16,8 @@ def test_local_command_uses_the_fork_launcher(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("MONARCH_MPIEXEC", sys.executable)  # any executable file stands for mpiexec here
     shape = Shape.row_major(("dp", "tp"), (2, 2))
     cmd = launch.LocalLauncher().command(shape, launch.worker_command(shape, "127.0.0.1:9", 3), "127.0.0.1")
-    assert cmd[:5] == [sys.executable, "-n", "4", "-launcher", "fork"]
-    assert cmd[5:8] == [sys.executable, "-m", "monarch.runtime.control.worker"]
+    assert cmd[:7] == [sys.executable, "-n", "4", "-launcher", "fork", "-iface", "lo"]
+    assert cmd[7:10] == [sys.executable, "-m", "monarch.runtime.control.worker"]
     assert "dp=2,tp=2" in cmd and "127.0.0.1:9" in cmd
 
 
