@@ -83,3 +83,16 @@ def test_an_op_mixing_two_meshes_fails_before_anything_ships(two: ProcMesh, one:
     assert torch.equal(fetch(o * o), torch.full((2, 2), 9.0))
     moved = monarch.distribute_tensor(o.full_tensor(timeout=T), two)  # the explicit move the message names
     assert torch.equal(fetch(a + moved), torch.full((2, 2), 4.0))
+
+
+def test_distribute_tensor_across_meshes_sends_the_gradient_back(two: ProcMesh, one: ProcMesh) -> None:
+    """A tensor computed on one mesh, distributed to another: its gradient returns to the first mesh,
+    placed as the tensor was there, equal to plain torch's."""
+    data = torch.randn(4, 3)
+    src = monarch.distribute_tensor(data, two, {"dp": Shard(0)}).requires_grad_()
+    moved = monarch.distribute_tensor(src.exp(), one)
+    (moved * moved).sum().backward()
+    plain = data.clone().requires_grad_()
+    (plain.exp() * plain.exp()).sum().backward()
+    assert src.grad.mesh is two and src.grad.placements == (Shard(0),)
+    torch.testing.assert_close(fetch(src.grad), plain.grad)
