@@ -48,7 +48,8 @@ def step(models: tuple[nn.Module, nn.Module], opts: list[torch.optim.Optimizer],
 def assert_same(model: nn.Module, ref: nn.Module, dtype: torch.dtype, tol: float = 1e-6) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert isinstance(p, MeshTensor) and p.dtype == dtype == q.dtype, name
-        torch.testing.assert_close(p.full_tensor(timeout=T), q.detach(), rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.full_tensor(timeout=T), q.detach(), rtol=tol, atol=tol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("convert", [lambda m: m.double(), lambda m: m.to(torch.float64)], ids=["double", "to"])

@@ -90,7 +90,7 @@ def local_map(fn: bytes, name: str, planned: Planned, needs: tuple[int, ...], *a
     outs = list(out) if multi else [out]
     if len(outs) != len(planned):
         raise ShardingError(f"local_map({name}) returned {len(outs)} results here, but tracing it on meta tensors "
-                         f"gave {len(planned)}; fn must return the same structure on real and on meta tensors")
+                            f"gave {len(planned)}; fn must return the same structure on real and on meta tensors")
     for k, (o, (shape, dtype)) in enumerate(zip(outs, planned, strict=True)):
         _check_planned(name, k, o, shape, dtype)
     if needs:
@@ -113,8 +113,8 @@ def _check_planned(name: str, k: int, o: Any, shape: tuple[int, ...], dtype: tor
     if got != (shape, dtype):
         have = f"{type(o).__name__} {o!r:.60}" if got is None else f"shape {got[0]} {got[1]}"
         raise ShardingError(f"local_map({name}): result {k} has {have} here, but tracing fn on meta tensors planned "
-                         f"shape {shape} {dtype} for this rank; fn must give real tensors the shapes and dtypes "
-                         "it gives meta ones (do not branch on x.is_meta or on the values)")
+                            f"shape {shape} {dtype} for this rank; fn must give real tensors the shapes and dtypes "
+                            "it gives meta ones (do not branch on x.is_meta or on the values)")
 
 
 def linear_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -83,20 +83,22 @@ class _Call:
 
         def make(ctx: Emit) -> list[Local]:  # the worker checks fn's results against this rank's plan
             planned = tuple((spec.local_shape(ctx.coords), spec.dtype) for spec in self.specs)
-            return [Local("monarch::local_map", (self.blob, self.name, planned, needs, *local_args), {}, ctx.out_ids)]
+            args = (self.blob, self.name, planned, needs, *local_args)
+            return [Local("monarch::local_map", args, {}, ctx.out_ids)]
         node, ids = tracer.node(self.fn, tuple(n for n, _ in srcs), specs, make)
         return [tracer.wrap(spec, node, i) for spec, i in zip(specs, ids, strict=True)]
 
-    def backward(self, tape: MeshTensor, needs: tuple[int, ...],
+    def backward(self, tape: MeshTensor, inputs: tuple[Spec, ...],
                  grads: Sequence[MeshTensor | None]) -> list[MeshTensor]:
-        """The gradients of the arguments at `needs` from the outputs' (None: no gradient reached it)."""
+        """The gradients of the arguments that needed one (their specs at the forward: `inputs`) from the
+        outputs' (None: no gradient reached that output)."""
         tracer = self.session.tracer
         placed = [None if g is None else g.redistribute(_cotangent(spec.placements))
                   for g, spec in zip(grads, self.specs, strict=True)]
         srcs = [tracer._moved(t, t._spec) for t in (tape, *(g for g in placed if g is not None))]
         bufs = iter([Buf(i) for _, i in srcs])
         args = (next(bufs), *(None if g is None else next(bufs) for g in placed))
-        specs = tuple(self.args[i]._spec.with_placements(_gradient(self.args[i].placements)) for i in needs)
+        specs = tuple(spec.with_placements(_gradient(spec.placements)) for spec in inputs)
         node, ids = tracer.node(_target(_BACKWARD), tuple(n for n, _ in srcs), specs,
                                 lambda ctx: [Local(_BACKWARD, args, {}, ctx.out_ids)])
         return [tracer.wrap(spec, node, i) for spec, i in zip(specs, ids, strict=True)]
@@ -108,9 +110,10 @@ class _LocalMap(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, *ins: MeshTensor) -> tuple[MeshTensor, ...]:
         positions = [i for i, a in enumerate(call.args) if isinstance(a, MeshTensor)]
-        ctx.call, ctx.needs = call, tuple(p for p, t in zip(positions, ins, strict=True) if t.requires_grad)
-        ctx.wanted = [t.requires_grad for t in ins]
-        *outs, tape = call.forward(ctx.needs)
+        needs = tuple(p for p, t in zip(positions, ins, strict=True) if t.requires_grad)
+        ctx.call, ctx.wanted = call, [t.requires_grad for t in ins]
+        ctx.inputs = tuple(t._spec for t in ins if t.requires_grad)
+        *outs, tape = call.forward(needs)
         ctx.save_for_backward(tape)  # freed after the backward, as torch frees what an op saved
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*(o for o in outs if not (o.dtype.is_floating_point or o.dtype.is_complex)))
@@ -119,7 +122,7 @@ class _LocalMap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: MeshTensor | None) -> tuple[MeshTensor | None, ...]:
         (tape,) = ctx.saved_tensors
-        got = iter(ctx.call.backward(tape, ctx.needs, grads))
+        got = iter(ctx.call.backward(tape, ctx.inputs, grads))
         return (None, *(next(got) if wanted else None for wanted in ctx.wanted))
 
 
