@@ -16,7 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
-from monarch.errors import ShardingError
+from monarch.errors import ShardingError, TraceError
 from monarch.graph.partition import outline, partition
 from monarch.graph.rules.common import random_piece
 from monarch.graph.rules.table import Emit
@@ -84,12 +84,23 @@ def _random(kind: str, shape: Sequence[Any], mesh: Any, placements: PlacementsAr
     """Drawn from monarch.manual_seed's stream on the workers; or, given the user's `generator`, drawn
     with it here (the numbers and generator state plain torch gives) and distributed."""
     if generator is not None:
+        _draws_here(mesh, f"monarch.{kind}(..., generator=)")
         data = kernels.RANDOM[kind](_dims(shape), generator, dtype=dtype or torch.get_default_dtype(), **kw)
         return distribute_tensor(data, mesh, placements)
 
     def make(ctx: Emit, spec: Spec) -> Local:
         return random_piece(ctx, kind, spec, {"dtype": spec.dtype, **kw}, ctx.out_ids[0])
     return _factory(mesh, shape, dtype, placements, make, kind, seeded=True)
+
+
+def _draws_here(mesh: Any, what: str) -> None:
+    """A random tensor drawn on the controller cannot be part of a compiled step: the step would replay the
+    one draw of its recording on every call."""
+    if session_of(mesh).capturing:
+        raise TraceError(f"{what} inside a monarch.compile'd step draws on the controller, once, while the step "
+                         "is recorded, and every call would replay that draw; draw outside the step and pass the "
+                         "tensor in, or use torch.randn/rand/randint without generator= (each call draws anew from "
+                         "monarch.manual_seed's stream)")
 
 
 @eager_under_torch_compile
@@ -239,8 +250,11 @@ class _Factories(TorchFunctionMode):
             return func(*args, **kwargs)
         made = self._native(func, args, kwargs)
         if made is None:
-            if func in _RANDOM and kwargs.get("generator") is None:
-                kwargs = {**kwargs, "generator": torch.Generator().manual_seed(next_seed())}
+            if func in _RANDOM:
+                given = "(..., generator=)" if kwargs.get("generator") is not None else ""
+                _draws_here(self.procs, f"torch.{func.__name__}{given}")
+                if kwargs.get("generator") is None:
+                    kwargs = {**kwargs, "generator": torch.Generator().manual_seed(next_seed())}
             made = func(*args, **kwargs)
             return made if isinstance(made, MeshTensor) else distribute_tensor(made, self.procs)
         return made.requires_grad_(bool(kwargs.get("requires_grad")))

@@ -106,6 +106,22 @@ def test_random_factories_and_requires_grad_inside_activate(procs: ProcMesh) -> 
     assert torch.equal(weights.grad.full_tensor(timeout=T), torch.full((2,), 3.0))
 
 
+@pytest.mark.parametrize("draw", [lambda: torch.randperm(4), lambda: torch.rand(4, generator=torch.Generator())],
+                         ids=["randperm", "generator"])
+def test_a_compiled_step_refuses_draws_made_on_the_controller(procs: ProcMesh, draw: Callable) -> None:
+    """They would be recorded once and replayed by every call; monarch's own draws differ per call."""
+    x = monarch.distribute_tensor(torch.arange(4.0), procs)
+
+    @monarch.compile
+    def step(a: MeshTensor, own: bool) -> MeshTensor:
+        return a + (torch.rand(4) if own else draw())
+    with procs.activate():
+        with pytest.raises(monarch.TraceError, match="draws on the controller, once"):
+            step(x, False)
+        first, second = step(x, True).tolist(), step(x, True).tolist()
+    assert first != second
+
+
 def test_an_explicit_device_is_kept_and_the_mesh_device_by_name_warned_once(
         procs: ProcMesh, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(api, "_warned", set())
