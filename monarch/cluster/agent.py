@@ -1,7 +1,7 @@
 """Attach mode, the worker host's side: an agent waits for a controller and starts MPI proxies for it.
 
 `run_worker_loop_forever` (`python -m monarch worker`) listens on tcp://HOST:PORT and authenticates each
-peer (wire.py). One controller at a time: the next is refused with a reason. What the agent started for
+peer (gate.py, wire.py). One controller at a time: the next is refused with a reason. What the agent started for
 a controller is killed on `Kill` or when its connection closes, and the agent waits for the next one.
 """
 from __future__ import annotations
@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from monarch import config
+from monarch.cluster.gate import Gate
 from monarch.cluster.k8s import DEFAULT_PORT
 from monarch.cluster.wire import (MAX_FRAME, Attached, Exited, Failed, Kill, Launch, Launched, Refused, WriteToken,
-                                  Written, accept_controller, parse_address, resolve_secret)
+                                  Written, parse_address, resolve_secret)
 from monarch.errors import SpawnError
 from monarch.runtime.control import codec
 from monarch.runtime.control.bootstrap import token_file
@@ -32,7 +33,6 @@ from monarch.runtime.control.launch import REMOTE_TOKEN_ROOT
 
 log = logging.getLogger("monarch.agent")
 
-MAX_HANDSHAKES = 16  # connections authenticating at once; more are closed unanswered
 SWEEP_S = 1.0  # how often an attached agent reaps the orphans of what it started
 END_WAIT_S = 10.0  # how long a new controller waits for the cleanup after the previous one left
 _TOKEN_DIR = re.compile(r"monarch-token-[0-9a-f]+\Z")
@@ -73,20 +73,15 @@ class Agent:
         self.secret = secret
         self.session: Session | None = None
         self._lock = threading.Lock()
-        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         with suppress(OSError, AttributeError):  # not Linux: orphans of what we start are not ours to kill
             ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
 
     def serve_forever(self) -> None:
-        while True:
-            sock, peer = self.listener.accept()
-            if not self._handshakes.acquire(blocking=False):
-                log.warning("dropped %s: %d connections are authenticating already", peer[0], MAX_HANDSHAKES)
-                sock.close()
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._connection, args=(sock, "%s:%d" % peer[:2]), name="monarch-agent",
-                             daemon=True).start()
+        Gate(self.listener, self.secret, self._admit).serve_forever()
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        """An authenticated controller's connection: served (or refused) on a thread of its own."""
+        threading.Thread(target=self._connection, args=(sock, peer), name="monarch-agent", daemon=True).start()
 
     def close(self) -> None:
         self.listener.close()
@@ -97,19 +92,6 @@ class Agent:
 
     def _connection(self, sock: socket.socket, peer: str) -> None:
         with sock:
-            try:
-                ok = accept_controller(sock, self.secret)
-            except ConnectionError:  # a readiness probe (Kubernetes' tcpSocket), a port scan
-                log.debug("%s closed its connection before it authenticated", peer)
-                return
-            except OSError as e:
-                log.warning("dropped %s before it authenticated: %s", peer, e or type(e).__name__)
-                return
-            finally:
-                self._handshakes.release()
-            if not ok:
-                log.warning("dropped %s: it does not know the secret", peer)
-                return
             session = self._claim(sock, peer)
             if session is not None:
                 self._serve(session)

@@ -32,7 +32,7 @@ from monarch.shape import Shape
 log = logging.getLogger("monarch.attach")
 
 LAUNCH, LAUNCH_END = b"HYDRA_LAUNCH: ", b"HYDRA_LAUNCH_END\n"  # what mpiexec -launcher manual prints
-RETRY_S = 0.2  # between tries to reach an agent that is not listening yet
+RETRY_S, RETRY_MAX_S = 0.05, 1.0  # the first pause between tries to attach to an agent, doubled up to the most
 _links: dict[tuple[str, bytes], AgentLink] = {}  # (address, secret) -> this process's connection to it
 _links_lock = threading.Lock()
 
@@ -42,7 +42,8 @@ def attach_to_workers(workers: list[str], secret: str | bytes | None = None, tim
     rank order), each started with `python -m monarch worker` or `run_worker_loop_forever`.
 
     The secret: `secret`, else MONARCH_ATTACH_SECRET, else the file MONARCH_ATTACH_SECRET_FILE. Agents
-    that do not listen yet are retried for up to `timeout` s in all. An agent serves one controller at a
+    that do not listen yet, or close the connection before the handshake completed, are tried again
+    (pausing longer each time, up to 1 s) for up to `timeout` s in all. An agent serves one controller at a
     time; this process keeps its agents until it exits or calls `detach`, and attaching again reuses them.
     """
     if not workers:
@@ -114,17 +115,41 @@ class AgentLink:
 
     @classmethod
     def connect(cls, address: str, secret: bytes, deadline: float) -> AgentLink:
-        sock = _dial(address, deadline)
+        """Attach to the agent at `address`, tried again (pausing RETRY_S, doubled up to RETRY_MAX_S) until
+        `deadline` while it cannot be reached or closes the connection before the handshake completed (an
+        agent still starting, a pod whose DNS name is not published yet, an agent that made room)."""
+        pause = RETRY_S
+        while True:
+            try:
+                return cls._try(address, secret, deadline)
+            except OSError as e:
+                if time.monotonic() + pause >= deadline:
+                    raise SpawnError(f"cannot attach to the agent at {address}: {e or type(e).__name__}; is "
+                                     "`python -m monarch worker --listen ...` running there, and its port open to "
+                                     "this host?") from None
+                log.debug("the agent at %s: %s; trying again in %.2f s", address, e, pause)
+            time.sleep(pause)
+            pause = min(2 * pause, RETRY_MAX_S)
+
+    @classmethod
+    def _try(cls, address: str, secret: bytes, deadline: float) -> AgentLink:
+        """One attempt; OSError where another may succeed, SpawnError where none would."""
+        host, port = wire.parse_address(address)
+        sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
         try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             wire.prove_to_agent(sock, secret, deadline)
             greeting = wire.read_message(sock, deadline)
             if isinstance(greeting, wire.Refused):
                 raise SpawnError(f"it refused: {greeting.reason}")
             if not isinstance(greeting, wire.Attached):
                 raise SpawnError(f"it greeted with a {type(greeting).__name__}, not Attached")
-        except (SpawnError, OSError) as e:
+        except SpawnError as e:
             sock.close()
-            raise SpawnError(f"attaching to the agent at {address} failed: {e or type(e).__name__}") from None
+            raise SpawnError(f"attaching to the agent at {address} failed: {e}") from None
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(None)
         log.debug("attached to the agent at %s (host %s)", address, greeting.hostname)
         return cls(address, sock)
@@ -190,22 +215,6 @@ class AgentLink:
         if pending is not None:
             pending.reply = msg
             pending.done.set()
-
-
-def _dial(address: str, deadline: float) -> socket.socket:
-    """A TCP connection to the agent, retried while it is refused or its name does not resolve yet (an
-    agent still starting, a pod whose DNS name is not published yet) until `deadline`."""
-    host, port = wire.parse_address(address)
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
-        except OSError as e:
-            if time.monotonic() + RETRY_S >= deadline:
-                raise SpawnError(f"cannot reach the agent at {address}: {e}; is `python -m monarch worker "
-                                 "--listen ...` running there, and its port open to this host?") from None
-            time.sleep(RETRY_S)
 
 
 class AttachLauncher:

@@ -12,7 +12,6 @@ import re
 import secrets
 import socket
 import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,9 @@ from monarch.runtime.control import codec
 MAGIC = b"MNA1"
 NONCE_BYTES = MAC_BYTES = 32
 CONTEXT = b"monarch attach mode v1: "  # what each MAC is about, so that it proves nothing elsewhere
+HELLO_BYTES = len(MAGIC) + NONCE_BYTES  # the agent's greeting
+ANSWER_BYTES = HELLO_BYTES + MAC_BYTES  # the controller's answer: its nonce and its proof
+DENIED = b"monarch attach: wrong secret".ljust(MAC_BYTES, b"\0")  # the agent's reply to a wrong proof
 AUTH_DEADLINE_S = 1.0  # an unauthenticated peer has this long, in all, to prove it knows the secret
 MAX_FRAME = 1 << 20  # commands are small
 _ADDRESS = re.compile(r"tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]\s]+)(?::(\d{1,5}))?/?\Z")
@@ -124,33 +126,34 @@ def _mac(secret: bytes, side: bytes, theirs: bytes, mine: bytes) -> bytes:
     return hmac.new(secret, CONTEXT + side + theirs + mine, hashlib.sha256).digest()
 
 
-def accept_controller(sock: socket.socket, secret: bytes) -> bool:
-    """The agent's half: send a nonce, check the peer's MAC of it, answer with ours of the peer's nonce.
-    False for a wrong proof; OSError (TimeoutError, ConnectionError) for a slow, silent or gone peer."""
-    deadline = time.monotonic() + AUTH_DEADLINE_S
+def agent_hello() -> tuple[bytes, bytes]:
+    """The agent's half, first: a fresh nonce and the greeting that carries it."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(MAGIC + nonce)
-    answer = codec.recv_exact(sock, len(MAGIC) + NONCE_BYTES + MAC_BYTES, deadline)
+    return nonce, MAGIC + nonce
+
+
+def agent_proof(secret: bytes, nonce: bytes, answer: bytes) -> bytes | None:
+    """The agent's half, then: the controller's `answer` (ANSWER_BYTES) to our `nonce` checked, our proof
+    for its nonce; None when it does not know the secret (the agent then replies DENIED and closes)."""
     theirs, mac = answer[len(MAGIC):-MAC_BYTES], answer[-MAC_BYTES:]
     if not hmac.compare_digest(mac, _mac(secret, b"controller", nonce, theirs)) or answer[:len(MAGIC)] != MAGIC:
-        return False
-    sock.sendall(_mac(secret, b"agent", theirs, nonce))
-    return True
+        return None
+    return _mac(secret, b"agent", theirs, nonce)
 
 
 def prove_to_agent(sock: socket.socket, secret: bytes, deadline: float) -> None:
     """The controller's half: prove we know the secret, then check that the agent does too (before any
-    command goes to it). SpawnError when it does not; OSError for a slow or gone peer."""
-    hello = codec.recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
+    command goes to it). SpawnError when it does not, or denies our proof; OSError for a slow peer, or one
+    that closed the connection before the handshake completed (an agent that made room, a restarting one)."""
+    hello = codec.recv_exact(sock, HELLO_BYTES, deadline)
     if hello[:len(MAGIC)] != MAGIC:
         raise SpawnError("it is not a monarch attach-mode agent (it did not greet as one)")
     mine = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(MAGIC + mine + _mac(secret, b"controller", hello[len(MAGIC):], mine))
-    try:
-        proof = codec.recv_exact(sock, MAC_BYTES, deadline)
-    except ConnectionError:
-        raise SpawnError("it closed the connection on our proof: its secret is another than ours (check "
-                         "MONARCH_ATTACH_SECRET or MONARCH_ATTACH_SECRET_FILE on both ends)") from None
+    proof = codec.recv_exact(sock, MAC_BYTES, deadline)
+    if proof == DENIED:
+        raise SpawnError("it denied our proof: its secret is another than ours (check MONARCH_ATTACH_SECRET or "
+                         "MONARCH_ATTACH_SECRET_FILE on both ends)")
     if not hmac.compare_digest(proof, _mac(secret, b"agent", mine, hello[len(MAGIC):])):
         raise SpawnError("it does not know the secret (an impostor, or an agent with another secret); nothing "
                          "was sent to it")

@@ -3,7 +3,9 @@
 A controller attaches to two of them, spawns a mesh across both twice (actors, a sharded op equal to torch,
 rank i under agent i, no secret or token left anywhere); the handshake turns away a wrong secret, garbage,
 a silent peer and an impostor agent, and a second controller while one is attached; a controller that
-vanishes (kill -9 included) leaves nothing behind and the agents serve the next one.
+vanishes (kill -9 included) leaves nothing behind and the agents serve the next one. Connections held open
+or a flood of bad peers keep no controller out and the agent's log short; a controller whose agent closes
+the connection before the handshake, or is not listening yet, tries again.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import re
 import secrets
 import select
+import selectors
 import signal
 import socket
 import subprocess
@@ -71,10 +74,10 @@ def until(check: Callable[[], object], what: str, timeout: float = T) -> None:
         time.sleep(0.05)
 
 
-def start_agent(ip: str, log: Path) -> Agent:
+def start_agent(ip: str, log: Path, port: int = 0) -> Agent:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MONARCH_ATTACH_SECRET")}
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "monarch", "worker", "--listen", f"tcp://{ip}:0"],
+        proc = subprocess.Popen([sys.executable, "-m", "monarch", "worker", "--listen", f"tcp://{ip}:{port}"],
                                 stdout=subprocess.PIPE, stderr=err, text=True,
                                 env=env | {"MONARCH_ATTACH_SECRET": SECRET})
     assert select.select([proc.stdout], [], [], T)[0], f"the agent on {ip} printed nothing: {log.read_text()}"
@@ -174,7 +177,9 @@ def test_garbage_and_silent_peers_are_dropped_within_the_deadline(lone: Agent) -
             while chunk := s.recv(65536):
                 received += chunk
             took = time.monotonic() - start
-        assert len(received) == len(wire.MAGIC) + wire.NONCE_BYTES, f"the agent sent {received!r} to {send[:8]!r}"
+        denied = wire.DENIED if len(send) == answer else b""  # a wrong proof is told so, the rest is not
+        assert len(received) == wire.HELLO_BYTES + len(denied) and received[wire.HELLO_BYTES:] == denied, \
+            f"the agent sent {received!r} to {send[:8]!r}"
         limit = 0.5 if len(send) == answer else wire.AUTH_DEADLINE_S + 1.0
         assert took < limit, f"a peer that sent {len(send)} bytes was dropped after {took:.2f} s"
     until(lambda: lone.logged("before it authenticated"), "the agent logged the silent peers")
@@ -286,3 +291,110 @@ def test_the_cli_needs_a_secret_and_reads_the_file_a_pod_mounts(tmp_path: Path) 
     finally:
         proc.terminate()
         proc.wait(timeout=T)
+
+
+class Holder:
+    """Keeps `n` silent connections from `source` open to the agent at `address`; each one the agent
+    closes is opened again at once."""
+
+    def __init__(self, address: str, n: int, source: str = "127.0.0.1") -> None:
+        self.target, self.n, self.source = wire.parse_address(address), n, source
+        self.opened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._hold, daemon=True)
+
+    def __enter__(self) -> Holder:
+        self._thread.start()
+        until(lambda: self.opened >= self.n, f"{self.n} connections are open")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(T)
+        assert not self._thread.is_alive()
+
+    def _hold(self) -> None:
+        with selectors.DefaultSelector() as held:
+            try:
+                while not self._stop.is_set():
+                    while len(held.get_map()) < self.n:
+                        held.register(socket.create_connection(self.target, T, (self.source, 0)), selectors.EVENT_READ)
+                        self.opened += 1
+                    for key, _ in held.select(0.05):
+                        self._read(held, key.fileobj)  # type: ignore[arg-type]
+            finally:
+                for key in list(held.get_map().values()):
+                    key.fileobj.close()  # type: ignore[union-attr]
+
+    @staticmethod
+    def _read(held: selectors.BaseSelector, sock: socket.socket) -> None:
+        try:
+            data = sock.recv(65536)  # the agent's greeting, never answered
+        except OSError:
+            data = b""
+        if not data:
+            held.unregister(sock)
+            sock.close()
+
+
+def test_held_connections_keep_no_controller_out(lone: Agent) -> None:
+    """40 silent connections from the controller's own address and 100 from another (over its cap of
+    waiting connections, so the agent closes the oldest), all opened again as the agent closes them."""
+    start = time.monotonic()
+    try:
+        with Holder(lone.address, 40), Holder(lone.address, 100, source="127.0.0.6") as other:
+            hosts = attach_to_workers([lone.address], secret=SECRET, timeout=T)
+            with hosts.spawn_procs(per_host={"gpus": 1}) as procs:
+                assert procs.spawn("where", Where).where.call().get(timeout=T).values()
+            assert other.opened > 100
+    finally:
+        detach([lone.address])
+    assert time.monotonic() - start < 3 * T
+    assert lone.logged("to make room: 64 of its address wait")
+
+
+def test_a_flood_of_bad_peers_logs_a_few_lines_a_second(lone: Agent) -> None:
+    target, lines = wire.parse_address(lone.address), len(lone.log.read_text().splitlines())
+    seconds, sent = 4.0, 0
+    with Holder(lone.address, 20):  # silent peers, dropped at the deadline
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            with socket.create_connection(target, timeout=T) as s:
+                s.sendall(os.urandom(wire.ANSWER_BYTES) if sent % 2 else b"")  # a wrong proof, or nothing
+            sent += 1
+    time.sleep(0.5)
+    added = lone.log.read_text().splitlines()[lines:]
+    assert sent > 200 and len(added) <= 3 * (seconds + 2), f"{len(added)} lines for {sent} peers: {added}"
+    assert any("more like it in the last" in line for line in added), added
+    attach_to_workers([lone.address], secret=SECRET, timeout=T)  # it serves on
+    detach([lone.address])
+
+
+def test_a_controller_tries_again_until_the_agent_completes_a_handshake(tmp_path: Path) -> None:
+    """The first try is closed at once, the second after the greeting; then none listens until the agent
+    starts on that port: the controller attaches within its timeout."""
+    result: list[object] = []
+    with socket.create_server(("127.0.0.5", 0)) as fake:
+        fake.settimeout(T)
+        address = "tcp://127.0.0.5:%d" % fake.getsockname()[1]
+        thread = threading.Thread(target=lambda: result.append(_attach(address)), daemon=True)
+        thread.start()
+        fake.accept()[0].close()
+        conn = fake.accept()[0]
+        with conn:
+            conn.sendall(wire.agent_hello()[1])
+            codec.recv_exact(conn, wire.ANSWER_BYTES, time.monotonic() + T)
+    agent = start_agent("127.0.0.5", tmp_path / "log", port=int(address.rsplit(":", 1)[1]))
+    try:
+        thread.join(T)
+        assert not thread.is_alive() and len(result) == 1 and not isinstance(result[0], Exception), result
+    finally:
+        detach([address])
+        stop_agent(agent)
+
+
+def _attach(address: str) -> object:
+    try:
+        return attach_to_workers([address], secret=SECRET, timeout=T)
+    except Exception as e:  # noqa: BLE001 - the test's thread reports it
+        return e
