@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 ATTACH_SECRET = "MONARCH_ATTACH_SECRET"  # attach mode's shared secret (cluster/agent.py keeps it from children)
 
@@ -19,8 +19,8 @@ class Flag:
     default: str
     help: str
 
-    def raw(self) -> str:
-        return os.environ.get(self.name, self.default)
+    def raw(self, env: Mapping[str, str] | None = None) -> str:
+        return (os.environ if env is None else env).get(self.name, self.default)
 
 
 FLAGS: dict[str, Flag] = {f.name: f for f in [
@@ -84,12 +84,12 @@ def external(name: str) -> str:
 T = TypeVar("T")
 
 
-def _parse(name: str, cast: Callable[[str], T]) -> T:
+def _parse(name: str, cast: Callable[[str], T], env: Mapping[str, str] | None = None) -> T:
     flag = FLAGS[name]
     try:
-        return cast(flag.raw())
+        return cast(flag.raw(env))
     except ValueError as e:
-        raise ValueError(f"{name}={flag.raw()!r} is not valid ({flag.help}): {e}") from None
+        raise ValueError(f"{name}={flag.raw(env)!r} is not valid ({flag.help}): {e}") from None
 
 
 def _truthy(s: str) -> bool:
@@ -140,8 +140,9 @@ def spawn_timeout() -> float:
     return _float("MONARCH_SPAWN_TIMEOUT")
 
 
-def max_frame() -> int:
-    return _int("MONARCH_MAX_FRAME")
+def max_frame(env: Mapping[str, str] | None = None) -> int:
+    """The flag here, or in `env` (a mesh's worker environment: the largest frame its workers accept)."""
+    return _parse("MONARCH_MAX_FRAME", int, env)
 
 
 def death_grace() -> float:

@@ -124,7 +124,7 @@ def start(argv: list[str]) -> Boot:
     world.Barrier()  # every rank of the job, so of this host, attached MPICH's shared memory
     _unlink_shared_memory()
     sock = _connect_back(launch)
-    sock.sendall(launch.header(ROLE_WORKER) + encode_frame([Hello(os.getpid(), socket.gethostname())]))
+    sock.sendall(launch.header(ROLE_WORKER) + encode_frame([Hello(os.getpid(), socket.gethostname(), os.getppid())]))
     return Boot(sock, launch.rank, launch.mesh_id)
 
 

@@ -105,7 +105,7 @@ class FrameReader:
 
     def __init__(self, max_frame: int) -> None:
         self._buf = bytearray()
-        self._max = max_frame
+        self.max_frame = max_frame  # the controller sets a mesh's own once its peer authenticated
 
     def feed(self, data: bytes) -> list[bytes]:
         buf = self._buf
@@ -113,8 +113,8 @@ class FrameReader:
         out, pos = [], 0
         while len(buf) - pos >= 4:
             (n,) = _LEN.unpack_from(buf, pos)
-            if n > self._max:
-                raise TransportError(f"frame of {n} bytes exceeds MONARCH_MAX_FRAME={self._max}")
+            if n > self.max_frame:
+                raise TransportError(f"frame of {n} bytes exceeds MONARCH_MAX_FRAME={self.max_frame}")
             if len(buf) - pos - 4 < n:
                 break
             out.append(bytes(buf[pos + 4:pos + 4 + n]))

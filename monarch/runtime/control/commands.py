@@ -24,6 +24,7 @@ class Hello:
     """First frame of a worker after the handshake."""
     pid: int
     host: str
+    monitor: int = 0  # the pid of its monitor (its parent), the process the launcher started
 
 
 @dataclass(frozen=True)
@@ -317,9 +318,12 @@ class StopProcs:
     actor: str = ""
 
 
-def describe_status(wait_status: int) -> str:
-    """`killed by signal 9 (SIGKILL)` or `exited with code 3`, from an os.wait status."""
-    return describe_exit(os.waitstatus_to_exitcode(wait_status))
+def describe_status(wait_status: int, stderr_tail: str = "") -> str:
+    """`killed by signal 9 (SIGKILL)` or `exited with code 3`, from an os.wait status; an exit with an error
+    code also says the last line the process wrote to stderr (a Python exception's type and message)."""
+    code = os.waitstatus_to_exitcode(wait_status)
+    last = next((ln.strip() for ln in reversed(stderr_tail.splitlines()) if ln.strip()), "")
+    return describe_exit(code) + (f" after: {last}" if code > 0 and last else "")
 
 
 def describe_exit(code: int) -> str:

@@ -141,6 +141,7 @@ class Mesh:
         self.hosts = [hosts[r // per_host] for r in range(len(shape))]  # as planned, then as each rank says
         self.conns: list[Conn | None] = [None] * len(shape)
         self.pids: list[int] = [0] * len(shape)
+        self.monitors: list[int] = [0] * len(shape)  # each rank's monitor, the process the launcher started
         self.pending: dict[tuple[int, int], CallState | ForwardSink | TelemetrySink] = {}
         self.actors: dict[str, Owner | None] = {}  # actor mesh name -> the actor that spawned it (None: the client)
         self.owner: Owner | None = None  # the actor that spawned this proc mesh (None: the client)
@@ -162,6 +163,20 @@ class Mesh:
         if rank == LAUNCHER:
             return os.path.basename(self.proc.args[0]) if self.proc is not None else ""
         return "" if self.local or not 0 <= rank < len(self.hosts) else self.hosts[rank]
+
+    def note_output(self, stream: str, text: str) -> None:
+        """Keep the job's last stderr lines (for spawn errors and exit reports)."""
+        if stream == "stderr":
+            self.stderr_tail.extend(text.splitlines())
+
+    def blamed(self) -> tuple[int, str] | None:
+        """When the launcher ends while ranks are lost without an exit report (their monitor died with
+        them: kill -9 of a monitor), the first of those ranks and why, else None."""
+        if not self.lost:
+            return None
+        rank = min(self.lost, key=self.lost.__getitem__)
+        return rank, (f"ended with its monitor, pid {self.monitors[rank]}, which sent no exit report (killed, "
+                      "or its host went away)")
 
     def coords(self, rank: int) -> str:
         return self.shape.point(rank).label() if 0 <= rank < len(self.shape) else "?"

@@ -169,8 +169,10 @@ class Controller:
         log.debug("spawning mesh %r (id %d): %s", name, mesh.id, " ".join(cmd))
         self.meshes[mesh.id] = mesh
         before = launch.topology_files() if launcher.local else set()
+        workers = launch.worker_env(env)
+        mesh.max_frame = config.max_frame(workers)  # what they accept, also when spawn_procs(env=...) sets it
         try:
-            mesh.proc = launcher.start(cmd, launch.worker_env(env))
+            mesh.proc = launcher.start(cmd, workers)
             assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
             out, err = mesh.proc.stdout, mesh.proc.stderr
             self._poller.watch(out.fileno(), lambda: self._output(mesh, out, sys.stdout))
@@ -302,8 +304,7 @@ class Controller:
                 self._job_exited(mesh)
             return
         text = data.decode(errors="replace")
-        if stream is sys.stderr:
-            mesh.stderr_tail.extend(text.splitlines())
+        mesh.note_output(name, text)
         if RECORDER.on:
             STORE.add(output_lines(mesh.shape, name, text), mesh.name)
         OUTPUT.write(mesh.id, name, text)  # to this console as the mesh's logging_option says (telemetry/logs.py)
@@ -315,7 +316,8 @@ class Controller:
         except subprocess.TimeoutExpired:
             return
         if mesh.live:
-            self._fail(mesh, LAUNCHER, mesh.proc.pid, describe_exit(code))
+            rank, why = mesh.blamed() or (LAUNCHER, describe_exit(code))
+            self._fail(mesh, rank, mesh.pids[rank] if rank >= 0 else mesh.proc.pid, why)
 
     # -- messages from authenticated peers -------------------------------------------------------
     def authenticate(self, conn: Conn, header: codec.Header | None) -> bool:
@@ -329,6 +331,7 @@ class Controller:
                 return False
             mesh.conns[header.rank] = conn
         conn.header, conn.mesh = header, mesh
+        conn.reader.max_frame = mesh.max_frame
         self._handshaking.discard(conn)
         log.debug("mesh %r: rank %d connected (%s)", mesh.name, header.rank,
                   "worker" if header.role == codec.ROLE_WORKER else "monitor")
@@ -353,7 +356,7 @@ class Controller:
     def _hello(self, conn: Conn, msg: Hello) -> None:
         mesh, header = conn.mesh, conn.header
         assert mesh is not None and header is not None
-        mesh.pids[header.rank] = msg.pid
+        mesh.pids[header.rank], mesh.monitors[header.rank] = msg.pid, msg.monitor
         mesh.hosts[header.rank] = msg.host
         RECORDER.add("procs", (header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
         if mesh.heartbeat > 0:
@@ -369,7 +372,7 @@ class Controller:
         mesh = conn.mesh
         assert mesh is not None
         mesh.stderr_tail.extend(msg.stderr_tail.splitlines())
-        self._fail(mesh, msg.rank, msg.pid, describe_status(msg.wait_status))
+        self._fail(mesh, msg.rank, msg.pid, describe_status(msg.wait_status, msg.stderr_tail))
 
     def _forward(self, source: Conn, msg: Forward) -> None:
         assert source.mesh is not None and source.header is not None
