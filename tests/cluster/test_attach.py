@@ -39,6 +39,7 @@ from monarch.runtime.control.launch import REMOTE_TOKEN_ROOT
 
 T = 30.0  # bound of every wait
 SECRET = secrets.token_hex(16)
+ANSWER = len(wire.MAGIC) + wire.NONCE_BYTES + wire.MAC_BYTES  # a controller's answer to an agent's greeting
 
 
 @dataclass
@@ -168,8 +169,7 @@ def test_a_wrong_secret_is_refused_and_the_agent_serves_on(lone: Agent) -> None:
 
 def test_garbage_and_silent_peers_are_dropped_within_the_deadline(lone: Agent) -> None:
     host, port = wire.parse_address(lone.address)
-    answer = len(wire.MAGIC) + wire.NONCE_BYTES + wire.MAC_BYTES
-    for send in (os.urandom(answer), b"", b"MNA1"):  # a wrong answer, nothing, a partial answer
+    for send in (os.urandom(ANSWER), b"", b"MNA1"):  # a wrong answer, nothing, a partial answer
         with socket.create_connection((host, port), timeout=T) as s:
             start = time.monotonic()
             s.sendall(send)
@@ -177,10 +177,10 @@ def test_garbage_and_silent_peers_are_dropped_within_the_deadline(lone: Agent) -
             while chunk := s.recv(65536):
                 received += chunk
             took = time.monotonic() - start
-        denied = wire.DENIED if len(send) == answer else b""  # a wrong proof is told so, the rest is not
+        denied = wire.DENIED if len(send) == ANSWER else b""  # a wrong proof is told so, the rest is not
         assert len(received) == wire.HELLO_BYTES + len(denied) and received[wire.HELLO_BYTES:] == denied, \
             f"the agent sent {received!r} to {send[:8]!r}"
-        limit = 0.5 if len(send) == answer else wire.AUTH_DEADLINE_S + 1.0
+        limit = 0.5 if len(send) == ANSWER else wire.AUTH_DEADLINE_S + 1.0
         assert took < limit, f"a peer that sent {len(send)} bytes was dropped after {took:.2f} s"
     until(lambda: lone.logged("before it authenticated"), "the agent logged the silent peers")
     attach_to_workers([lone.address], secret=SECRET, timeout=T)  # it serves on
@@ -196,7 +196,7 @@ def test_an_impostor_agent_gets_no_command() -> None:
             conn.settimeout(T)
             nonce = os.urandom(wire.NONCE_BYTES)
             conn.sendall(wire.MAGIC + nonce)
-            answer = codec.recv_exact(conn, len(wire.MAGIC) + wire.NONCE_BYTES + wire.MAC_BYTES, time.monotonic() + T)
+            answer = codec.recv_exact(conn, ANSWER, time.monotonic() + T)
             conn.sendall(wire._mac(b"another secret", b"agent", answer[4:4 + wire.NONCE_BYTES], nonce))
             while chunk := conn.recv(65536):
                 received.append(chunk)
@@ -322,6 +322,7 @@ class Holder:
                         self.opened += 1
                     for key, _ in held.select(0.05):
                         self._read(held, key.fileobj)  # type: ignore[arg-type]
+                    time.sleep(0.01)  # the controller under test shares this process's interpreter
             finally:
                 for key in list(held.get_map().values()):
                     key.fileobj.close()  # type: ignore[union-attr]
@@ -338,15 +339,15 @@ class Holder:
 
 
 def test_held_connections_keep_no_controller_out(lone: Agent) -> None:
-    """40 silent connections from the controller's own address and 100 from another (over its cap of
+    """40 silent connections from the controller's own address and 80 from another (over its cap of
     waiting connections, so the agent closes the oldest), all opened again as the agent closes them."""
     start = time.monotonic()
     try:
-        with Holder(lone.address, 40), Holder(lone.address, 100, source="127.0.0.6") as other:
+        with Holder(lone.address, 40), Holder(lone.address, 80, source="127.0.0.6") as other:
             hosts = attach_to_workers([lone.address], secret=SECRET, timeout=T)
             with hosts.spawn_procs(per_host={"gpus": 1}) as procs:
                 assert procs.spawn("where", Where).where.call().get(timeout=T).values()
-            assert other.opened > 100
+            assert other.opened > 80
     finally:
         detach([lone.address])
     assert time.monotonic() - start < 3 * T
@@ -360,11 +361,11 @@ def test_a_flood_of_bad_peers_logs_a_few_lines_a_second(lone: Agent) -> None:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             with socket.create_connection(target, timeout=T) as s:
-                s.sendall(os.urandom(wire.ANSWER_BYTES) if sent % 2 else b"")  # a wrong proof, or nothing
+                s.sendall(os.urandom(ANSWER) if sent % 2 else b"")  # a wrong proof, or nothing
             sent += 1
     time.sleep(0.5)
     added = lone.log.read_text().splitlines()[lines:]
-    assert sent > 200 and len(added) <= 3 * (seconds + 2), f"{len(added)} lines for {sent} peers: {added}"
+    assert sent > 200 and len(added) <= 3 * (seconds + 2), f"{len(added)} lines for {sent} peers: {added[:5]}"
     assert any("more like it in the last" in line for line in added), added
     attach_to_workers([lone.address], secret=SECRET, timeout=T)  # it serves on
     detach([lone.address])
@@ -382,8 +383,8 @@ def test_a_controller_tries_again_until_the_agent_completes_a_handshake(tmp_path
         fake.accept()[0].close()
         conn = fake.accept()[0]
         with conn:
-            conn.sendall(wire.agent_hello()[1])
-            codec.recv_exact(conn, wire.ANSWER_BYTES, time.monotonic() + T)
+            conn.sendall(wire.MAGIC + os.urandom(wire.NONCE_BYTES))
+            codec.recv_exact(conn, ANSWER, time.monotonic() + T)
     agent = start_agent("127.0.0.5", tmp_path / "log", port=int(address.rsplit(":", 1)[1]))
     try:
         thread.join(T)
