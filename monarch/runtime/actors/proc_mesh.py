@@ -189,6 +189,7 @@ class Hold:
 
     def __init__(self, info: ProcsInfo) -> None:
         HOLDS[info.mesh_id] = self
+        self.sessions: list[Any] = []  # the tensor API's sessions of this mesh's views live while it is held
         weakref.finalize(self, _unreferenced, info.mesh_id).atexit = False  # at exit, shutdown stops it
 
 

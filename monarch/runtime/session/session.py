@@ -338,7 +338,7 @@ class Values(Fetch):
         return [state.value(i) for i in range(len(state.raw))]
 
 
-_sessions: dict[tuple[int, Any], Session] = {}
+_sessions: weakref.WeakValueDictionary[tuple[int, Any], Session] = weakref.WeakValueDictionary()
 _buffer_ids: dict[int, Iterator[int]] = {}
 _all: weakref.WeakSet[Session] = weakref.WeakSet()
 
@@ -358,4 +358,7 @@ def session_of(procs: Any) -> Session:
     if s is None:  # every view of a proc mesh numbers its buffers from one counter: its workers share one store
         ids = _buffer_ids.setdefault(procs._mesh.id, itertools.count(1))
         s = _sessions[key] = Session(procs, RemoteRunner(procs), ids)
+        hold = getattr(procs, "_hold", None)
+        if hold is not None:  # kept while the mesh is held, not beyond: a mesh nothing refers to stops
+            hold.sessions.append(s)
     return s

@@ -12,6 +12,7 @@ import typing
 
 import cloudpickle
 import pytest
+import torch
 
 from monarch.actor import (Actor, ActorError, ActorMesh, Future, HostMesh, ProcMesh, SupervisionError, context,
                            endpoint, this_host, this_proc)
@@ -234,3 +235,18 @@ def test_default_names_are_unique_and_an_unreferenced_mesh_stops(caplog: pytest.
     assert wait_gone(pids[1])
     warned = [r.getMessage() for r in caplog.records if "last reference" in r.getMessage()]
     assert len(warned) == 2 and repr(names[0]) in warned[0] and repr(names[1]) in warned[1], warned
+
+
+def test_a_mesh_that_ran_tensor_ops_stops_once_unreferenced() -> None:
+    """Its MeshTensors hold it while they live; the tensor API's own records of it do not."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    pids = procs.pids
+    with procs.activate():
+        t = torch.ones(4, 2) * 2
+    assert t.sum().item() == 16
+    del procs
+    gc.collect()
+    assert t.full_tensor(timeout=T).sum().item() == 16, "its tensors hold the mesh"
+    del t
+    gc.collect()
+    assert wait_gone(pids), "the workers of a mesh nobody refers to still run"
