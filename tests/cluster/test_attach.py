@@ -355,17 +355,18 @@ def test_held_connections_keep_no_controller_out(lone: Agent) -> None:
 
 
 def test_a_flood_of_bad_peers_logs_a_few_lines_a_second(lone: Agent) -> None:
+    """Wrong proofs, empty connections and silent ones for 4 s: at most one line per kind of drop (wrong
+    secret, silent, making room, ...; four at most here) a second, each saying how many it stands for."""
     target, lines = wire.parse_address(lone.address), len(lone.log.read_text().splitlines())
-    seconds, sent = 4.0, 0
+    start, sent = time.monotonic(), 0
     with Holder(lone.address, 20):  # silent peers, dropped at the deadline
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while time.monotonic() < start + 4.0:
             with socket.create_connection(target, timeout=T) as s:
                 s.sendall(os.urandom(ANSWER) if sent % 2 else b"")  # a wrong proof, or nothing
             sent += 1
     time.sleep(0.5)
-    added = lone.log.read_text().splitlines()[lines:]
-    assert sent > 200 and len(added) <= 3 * (seconds + 2), f"{len(added)} lines for {sent} peers: {added[:5]}"
+    added, took = lone.log.read_text().splitlines()[lines:], time.monotonic() - start
+    assert sent > 100 and len(added) <= 4 * (took + 1), f"{len(added)} lines for {sent} peers: {added[:5]}"
     assert any("more like it in the last" in line for line in added), added
     attach_to_workers([lone.address], secret=SECRET, timeout=T)  # it serves on
     detach([lone.address])
