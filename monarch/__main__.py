@@ -1,7 +1,7 @@
 """`python -m monarch` (also the `monarch` command): look into a running controller, write Kubernetes manifests,
 run an attach-mode worker agent.
 
-  monarch query "SELECT ..."      run SQL over its telemetry and print a table
+  monarch query "SELECT ..."      run SQL over its telemetry and print a table (--timeout S: cancelled after S s)
   monarch top [--once]            a live view: hosts, procs and actors, message rates, busy time,
                                   memory, the latest failures, and a SQL prompt (runtime/telemetry/top.py)
   monarch debug [--pid P]         the debugger of ranks paused at breakpoint(): list, attach <actor> <rank>,
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("query", help="run SQL over a controller's telemetry")
     q.add_argument("sql")
+    q.add_argument("--timeout", type=float, default=30.0, help="seconds the query may run before the controller "
+                   "cancels it (default 30; its MONARCH_QUERY_TIMEOUT caps this)")
     t = sub.add_parser("top", help="a live view of a controller's meshes")
     t.add_argument("--once", action="store_true", help="print one screen and exit")
     t.add_argument("--interval", type=float, default=1.0)
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from monarch.runtime.telemetry import top
     try:
         if a.cmd == "query":
-            answer = top.run(a.sql, a.pid)
+            answer = top.run(a.sql, a.pid, a.timeout)
             Console().print(top.table(answer.columns, answer.rows))
             if answer.late:
                 print(f"monarch: no events yet from {', '.join(answer.late)} (busy?)", file=sys.stderr)

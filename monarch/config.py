@@ -50,6 +50,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "(0: never)"),
     Flag("MONARCH_TELEMETRY_RETAIN", "100000", "telemetry rows kept per table on the controller; the oldest "
          "are dropped beyond it (0: keep all)"),
+    Flag("MONARCH_QUERY_TIMEOUT", "30", "seconds a telemetry SQL query may run (procs.sql, monarch.sql, `monarch "
+         "query`) before it is cancelled with QueryTimeout; an admin client may ask for less (0: no limit)"),
     Flag("MONARCH_MAX_LOCAL_PROCS", "", "most worker processes of one local mesh (default: 16 per core)"),
     Flag(ATTACH_SECRET, "", "attach mode: the secret shared by the controller and the agents (`python -m monarch "
          "worker`); agents keep it out of what they start"),
@@ -191,6 +193,10 @@ def heartbeat_timeout() -> float:
 
 def telemetry_retain() -> int:
     return _int("MONARCH_TELEMETRY_RETAIN")
+
+
+def query_timeout() -> float:
+    return _float("MONARCH_QUERY_TIMEOUT")
 
 
 def max_local_procs() -> int:

@@ -29,7 +29,7 @@ from monarch.runtime.control.commands import ProcsInfo, SpawnActor, SpawnActors,
 from monarch.runtime.control.conn import Mesh
 from monarch.runtime.control.controller import Controller, controller
 from monarch.runtime.control.futures import CallState, Future, one_result
-from monarch.runtime.telemetry.store import STORE, Rows
+from monarch.runtime.telemetry.store import STORE, Limits, Rows
 from monarch.shape import MeshView, Shape
 
 log = logging.getLogger("monarch")
@@ -37,9 +37,9 @@ A = TypeVar("A")
 REQUEST_TIMEOUT = 60.0  # seconds an actor waits for the controller to spawn actors for it
 
 
-def sql(query: str, timeout: float = 30.0) -> Rows:
-    """Run SQL over the telemetry of this process and of every running mesh (`monarch.sql`)."""
-    return controller().sql(query, timeout)
+def sql(query: str, timeout: float = 30.0, query_timeout: float | None = None) -> Rows:
+    """Run SQL over the telemetry of this process and of every running mesh (`monarch.sql`); see ProcMesh.sql."""
+    return controller().sql(query, timeout, limits=Limits(query_timeout))
 
 
 def debug(n: int = 20, rank: int | None = None, timeout: float = 30.0) -> Rows:
@@ -149,11 +149,12 @@ class ProcMesh(MeshView):
         from monarch.spmd import run_spmd
         run_spmd(self, script, args, timeout=timeout)
 
-    def sql(self, query: str, timeout: float = 30.0) -> Rows:
+    def sql(self, query: str, timeout: float = 30.0, query_timeout: float | None = None) -> Rows:
         """Run SQL over the telemetry of this process (controller and every mesh), after fetching what
         this mesh's workers recorded (waiting up to `timeout` s; `Rows.late` names the ranks that did
-        not answer in time). Tables: see README.md or monarch/runtime/telemetry.py."""
-        return controller().sql(query, timeout, [self._here("sql")._mesh])
+        not answer in time). The query itself runs for up to `query_timeout` s (default
+        MONARCH_QUERY_TIMEOUT; 0: no limit), then raises QueryTimeout. Tables: see README.md."""
+        return controller().sql(query, timeout, [self._here("sql")._mesh], Limits(query_timeout))
 
     def activate(self) -> Any:
         """Context manager: plain torch factories (torch.randn, torch.zeros, ...) create MeshTensors here."""

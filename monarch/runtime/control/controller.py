@@ -33,7 +33,7 @@ from monarch.runtime.control.poller import Poller
 from monarch.runtime.telemetry import breakpoints
 from monarch.runtime.telemetry.events import RECORDER, Events, now_us, output_lines
 from monarch.runtime.telemetry.logs import OUTPUT
-from monarch.runtime.telemetry.store import STORE, Rows
+from monarch.runtime.telemetry.store import STORE, Limits, Rows
 from monarch.shape import Shape
 
 log = logging.getLogger("monarch.controller")
@@ -258,12 +258,12 @@ class Controller:
                 self._send_rank(mesh, r, frame)
         return sink
 
-    def sql(self, query: str, timeout: float, meshes: list[Mesh] | None = None) -> Rows:
+    def sql(self, query: str, timeout: float, meshes: list[Mesh] | None = None, limits: Limits | None = None) -> Rows:
         """Run read-only SQL over the telemetry of this process and of `meshes` (default: every mesh),
-        after fetching their workers' newest events for up to `timeout` s."""
+        after fetching their workers' newest events for up to `timeout` s; `limits` end the query early."""
         late = self.collect(list(self.meshes.values()) if meshes is None else meshes, timeout)
         STORE.add(RECORDER.take(), "local")
-        return STORE.sql(query, late)
+        return STORE.sql(query, late, limits)
 
     def collect(self, meshes: list[Mesh], timeout: float) -> list[str]:
         """Fetch the events the workers of `meshes` recorded, waiting up to `timeout` s in all. Returns the

@@ -4,20 +4,22 @@ A thread of the controller listens on loopback and announces its port and a rand
 only this user can read (`monarch-<uid>/controller-<pid>.json` in the user's runtime directory, else the
 temp dir; the directory must be this user's alone, and the file is created anew, never through a link). A
 client sends the token first (compared in constant time before anything else is read), then one
-JSON request `{"sql": ...}`; the answer is JSON `{"columns": [...], "rows": [...], "late": [...]}` (late:
-the ranks that did not send their events within WAIT_S) or `{"error": ...}`. A request `{"debug": true}` opens a
-`monarch_dbg>` console instead (debug_console.py): `{"line": ...}` requests, each answered `{"output", "prompt",
-"done"}`, until quit or the client hangs up. Each connection has its
-own thread, at most MAX_CONNECTIONS at once (more are closed at once), and TOKEN_DEADLINE_S in all to
-send its token. Nothing a client sends is unpickled; the SQL is read-only (telemetry_db.py).
+JSON request `{"sql": ..., "timeout": s}`; the answer is JSON `{"columns": [...], "rows": [...], "late": [...]}`
+(late: the ranks that did not send their events within WAIT_S) or `{"error": ...}`. The query runs for at most
+`timeout` s (and never past MONARCH_QUERY_TIMEOUT), and is cancelled when the client hangs up. A request
+`{"debug": true}` opens a `monarch_dbg>` console instead (debug_console.py): `{"line": ...}` requests, each
+answered `{"output", "prompt", "done"}`, until quit or the client hangs up. Tokens are read by one event
+loop (gate.py: TOKEN_DEADLINE_S each, capped per peer); only an authenticated connection gets a thread,
+at most MAX_CONNECTIONS at once (the next is answered busy). Nothing a client sends is unpickled; the SQL
+is read-only (store.py).
 """
 from __future__ import annotations
 
 import atexit
-import hmac
 import json
 import os
 import secrets
+import select
 import socket
 import stat
 import struct
@@ -32,15 +34,15 @@ from typing import Any
 from monarch import config
 from monarch.errors import MonarchError
 from monarch.runtime.control import codec
-from monarch.runtime.telemetry.store import Rows
+from monarch.runtime.telemetry.gate import TOKEN_BYTES, TOKEN_DEADLINE_S, Gate
+from monarch.runtime.telemetry.store import Limits, Rows
 
-TOKEN_BYTES = 32
 _LEN = struct.Struct("!I")
 MAX_REQUEST = 1 << 20
 WAIT_S = 2.0  # how long a query waits for the workers' newest events; a rank busy in a long call is skipped
-MAX_CONNECTIONS = 32     # connections served at once; the next ones are closed unanswered
-TOKEN_DEADLINE_S = 1.0   # an unauthenticated connection has this long, in all, to send its token
-REQUEST_DEADLINE_S = 10.0  # and once authenticated, this long to send its request
+MAX_CONNECTIONS = 32     # authenticated connections served at once (queries, consoles); the next is told busy
+REQUEST_DEADLINE_S = 10.0  # an authenticated connection has this long to send its request
+ANSWER_SLACK_S = 5.0     # what a client waits beyond the query's time limit and WAIT_S
 
 
 RUNTIME_ROOT = "/run/user"  # where logind keeps each user's runtime directory
@@ -98,40 +100,41 @@ def recv_json(sock: socket.socket, limit: int = 1 << 30, deadline: float | None 
 
 
 class AdminServer:
-    """Answers SQL from local clients that know the token, each connection on its own thread."""
+    """Answers SQL from local clients that know the token, each authenticated connection on its own thread."""
 
-    def __init__(self, answer: Callable[[str, float], Rows]) -> None:
-        self.answer = answer  # (sql, seconds to wait for the workers' events) -> rows: the controller's query
+    def __init__(self, answer: Callable[..., Rows]) -> None:
+        self.answer = answer  # (sql, seconds to wait for the workers' events, limits=) -> rows: the controller's
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.path = announce_dir() / f"controller-{os.getpid()}.json"
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._queries = threading.Lock()  # one query at a time reaches the controller
         with suppress(FileNotFoundError):  # a stale one of an earlier process with this pid (or a link)
             os.unlink(self.path)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"pid": os.getpid(), "port": self.port, "token": self.token.hex()}, f)
         atexit.register(self.close)
-        threading.Thread(target=self._serve, name="monarch-admin", daemon=True).start()
+        gate = Gate(self.listener, self.token, self._admit)
+        threading.Thread(target=gate.run, name="monarch-admin", daemon=True).start()
 
     def close(self) -> None:
+        """Withdraw the announcement and stop accepting (the gate closes the listener and what waits)."""
         with suppress(OSError):
             self.path.unlink()
         with suppress(OSError):
-            self.listener.close()
+            self.listener.shutdown(socket.SHUT_RDWR)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            if not self._slots.acquire(blocking=False):  # MAX_CONNECTIONS are being served
-                conn.close()
-                continue
+    def _admit(self, conn: socket.socket) -> None:
+        """An authenticated connection: served on a thread of its own, or told that the slots are taken."""
+        conn.setblocking(True)
+        if self._slots.acquire(blocking=False):
             threading.Thread(target=self._session, args=(conn,), name="monarch-admin-conn", daemon=True).start()
+            return
+        with conn, suppress(OSError):
+            conn.settimeout(TOKEN_DEADLINE_S)
+            send_json(conn, {"error": f"busy: the controller serves {MAX_CONNECTIONS} queries and consoles at "
+                                      "once; try again"})
 
     def _session(self, conn: socket.socket) -> None:
         try:
@@ -141,16 +144,13 @@ class AdminServer:
             self._slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
-        token = codec.recv_exact(conn, TOKEN_BYTES, time.monotonic() + TOKEN_DEADLINE_S)
-        if not hmac.compare_digest(token, self.token):
-            return
         request = recv_json(conn, MAX_REQUEST, time.monotonic() + REQUEST_DEADLINE_S)
         if request.get("debug"):
             self._debug(conn)
             return
         try:
-            with self._queries:
-                rows = self.answer(str(request["sql"]), WAIT_S)
+            limits = Limits(query_limit(request.get("timeout")), lambda: hung_up(conn))
+            rows = self.answer(str(request["sql"]), WAIT_S, limits=limits)
             send_json(conn, {"columns": rows.columns, "rows": [list(r) for r in rows], "late": rows.late})
         except Exception as e:  # noqa: BLE001 - the client shows the error
             send_json(conn, {"error": f"{type(e).__name__}: {e}"})
@@ -164,6 +164,27 @@ class AdminServer:
         while not console.done:
             line = str(recv_json(conn, MAX_REQUEST).get("line", ""))
             send_json(conn, {"output": console.handle(line), "prompt": console.prompt, "done": console.done})
+
+
+def query_limit(asked: Any) -> float:
+    """Seconds a client's query may run: what it asked for (a positive number), never past a nonzero
+    MONARCH_QUERY_TIMEOUT (0: no limit)."""
+    most = config.query_timeout()
+    if not isinstance(asked, (int, float)) or asked <= 0:
+        return most
+    return min(float(asked), most) if most > 0 else float(asked)
+
+
+def hung_up(conn: socket.socket) -> bool:
+    """Whether the client closed its end (it sends nothing more while its query runs)."""
+    poll = select.poll()
+    poll.register(conn, select.POLLIN)
+    if not poll.poll(0):
+        return False
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def controllers() -> list[dict[str, Any]]:
@@ -194,17 +215,22 @@ def open_console(pid: int | None = None, timeout: float = 30.0) -> tuple[socket.
     sock.settimeout(None)  # a pdb line may run for long
     sock.sendall(bytes.fromhex(info["token"]))
     send_json(sock, {"debug": True})
-    return sock, recv_json(sock)
+    answer = recv_json(sock)
+    if "error" in answer:
+        sock.close()
+        raise ConnectionError(answer["error"])
+    return sock, answer
 
 
 def query(sql: str, pid: int | None = None, timeout: float = 30.0) -> dict[str, Any]:
-    """Run `sql` on a controller (the newest one unless `pid` is given)."""
+    """Run `sql` on a controller (the newest one unless `pid` is given), for at most `timeout` s (the
+    controller's MONARCH_QUERY_TIMEOUT caps it); leaving early (Ctrl+C) cancels it there."""
     info = _find(pid)
-    with socket.create_connection(("127.0.0.1", info["port"]), timeout=timeout) as sock:
+    with socket.create_connection(("127.0.0.1", info["port"]), timeout=timeout + WAIT_S + ANSWER_SLACK_S) as sock:
         try:
             sock.sendall(bytes.fromhex(info["token"]))
-            send_json(sock, {"sql": sql})
+            send_json(sock, {"sql": sql, "timeout": timeout})
             return recv_json(sock)
         except ConnectionError:
-            raise ConnectionError(f"controller {info['pid']} closed the connection unanswered: it serves at most "
-                                  f"{MAX_CONNECTIONS} connections at once, try again") from None
+            raise ConnectionError(f"controller {info['pid']} closed the connection unanswered (too many of "
+                                  "this user's connections waiting to authenticate?); try again") from None

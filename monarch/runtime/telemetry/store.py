@@ -2,14 +2,19 @@
 
 Events from the controller itself and batches from the workers wait as they came (flat lists, see
 telemetry.Events) and are loaded into DuckDB, column by column through numpy, right before a query
-runs or once many are waiting; `sql()` returns `Rows`, a list of tuples that knows its column names.
-Each table keeps its newest MONARCH_TELEMETRY_RETAIN rows. Queries are read-only: the database has
-no file, network or extension access, its configuration is locked, and only read statements run.
+runs or once many are waiting (never by a thread that would wait for it: the poller never does);
+`sql()` returns `Rows`, a list of tuples that knows its column names. Each table keeps its newest
+MONARCH_TELEMETRY_RETAIN rows. Queries are read-only: the database has no file, network or extension
+access, its configuration is locked, and only read statements run, each on its own cursor, so loading
+goes on beside it; a query past its time limit, or whose client went away, is interrupted.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,10 +30,30 @@ LOCKED = {"enable_external_access": False, "autoinstall_known_extensions": False
           "autoload_known_extensions": False, "allow_community_extensions": False,
           "python_enable_replacements": False}  # no scans of the caller's Python variables by name
 ALLOWED = "SELECT, WITH, VALUES, DESCRIBE, SHOW, SUMMARIZE, and EXPLAIN [ANALYZE] of one of those"
+WATCH_S = 0.05  # how often a running query's time limit and client are checked
 
 
 class QueryRefused(MonarchError):
     """A telemetry query tried something other than reading the tables (telemetry SQL is read-only)."""
+
+
+class QueryTimeout(MonarchError, TimeoutError):
+    """A telemetry query ran past its time limit (MONARCH_QUERY_TIMEOUT, or the caller's) and was cancelled."""
+
+
+class QueryCancelled(MonarchError):
+    """A telemetry query was cancelled because the client that asked for it went away."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What ends a query early: `timeout` s of running (None: MONARCH_QUERY_TIMEOUT; 0: never), or
+    `gone()` turning True (polled every WATCH_S s: the client that asked hung up)."""
+    timeout: float | None = None
+    gone: Callable[[], bool] | None = None
+
+    def seconds(self) -> float:
+        return config.query_timeout() if self.timeout is None else self.timeout
 
 
 class Rows(list):
@@ -88,24 +113,34 @@ class Store:
                     self._waiting += n
                     self._drop_pending(table)
             full = self._waiting >= LOAD_AT
-        if full:  # nobody asked for a while: keep the events in DuckDB's columns, not as Python tuples
-            with self._db_lock:
+        if full and self._db_lock.acquire(blocking=False):  # else another thread is loading: they wait
+            try:  # nobody asked for a while: keep the events in DuckDB's columns, not as Python tuples
                 self._load(self._connect())
+            finally:
+                self._db_lock.release()
 
-    def sql(self, query: str, late: list[str] | None = None) -> Rows:
-        """Run `query` over every event recorded so far (`late`: ranks known to be missing events).
+    def sql(self, query: str, late: list[str] | None = None, limits: Limits | None = None) -> Rows:
+        """Run `query` over every event recorded so far (`late`: ranks known to be missing events), on a
+        cursor of its own: QueryTimeout past `limits.timeout`, QueryCancelled once `limits.gone()`.
         Only reads run: anything else raises QueryRefused and changes nothing."""
         import duckdb
         with self._db_lock:
             con = self._connect()
             check_read_only(con, query)
             self._load(con)
-            try:
-                cur = con.execute(query)
-                return Rows(cur.fetchall(), [d[0] for d in cur.description or ()], late)
-            except duckdb.PermissionException as e:
-                raise QueryRefused(f"telemetry SQL has no access to files, the network or extensions: {e}; "
-                                   f"query the tables ({', '.join(TABLES)}) instead") from None
+            cur = con.cursor()
+        watch = _Watch(cur, limits or Limits())
+        try:
+            with cur, watch:
+                result = cur.execute(query)
+                return Rows(result.fetchall(), [d[0] for d in result.description or ()], late)
+        except duckdb.InterruptException:
+            if not watch.why:
+                raise
+            raise watch.error(query) from None
+        except duckdb.PermissionException as e:
+            raise QueryRefused(f"telemetry SQL has no access to files, the network or extensions: {e}; "
+                               f"query the tables ({', '.join(TABLES)}) instead") from None
 
     def _drop_pending(self, table: str) -> None:
         """Forget the oldest waiting batches of `table` that the retention would drop once loaded."""
@@ -159,6 +194,46 @@ class Store:
             con.execute(f"DELETE FROM {table} WHERE rowid IN ({oldest})")
             self._stored[table] = self.retain
             self._dropped += excess
+
+
+class _Watch:
+    """While a query runs on `cur`: interrupts it once its time is up or its client is gone (again every
+    WATCH_S s until it ends, so an interrupt that came before the query started is not lost)."""
+
+    def __init__(self, cur: Any, limits: Limits) -> None:
+        self.cur, self.limits, self.seconds = cur, limits, limits.seconds()
+        self.why = ""  # "timeout" or "gone" once interrupted
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="monarch-query-watch", daemon=True)
+
+    def __enter__(self) -> _Watch:
+        if self.seconds > 0 or self.limits.gone is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=10 * WATCH_S)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.seconds if self.seconds > 0 else None
+        gone = self.limits.gone
+        while not self._done.wait(WATCH_S):
+            if not self.why and gone is not None and gone():
+                self.why = "gone"
+            elif not self.why and deadline is not None and time.monotonic() >= deadline:
+                self.why = "timeout"
+            if self.why:
+                self.cur.interrupt()
+
+    def error(self, query: str) -> MonarchError:
+        shown = " ".join(query.split())[:80]
+        if self.why == "gone":
+            return QueryCancelled(f"the telemetry query {shown!r} was cancelled: its client went away")
+        return QueryTimeout(f"the telemetry query {shown!r} ran for more than {self.seconds:g} s and was cancelled; "
+                            "narrow it, or allow more time: procs.sql(..., query_timeout=S), `monarch query "
+                            "--timeout S`, or MONARCH_QUERY_TIMEOUT (0: no limit) in the controller's environment")
 
 
 def check_read_only(con: Any, query: str) -> None:

@@ -22,7 +22,7 @@ from textual.widgets import Footer, Header, Input, Static
 from monarch.runtime.telemetry.admin import query
 
 WINDOW_US = 5_000_000  # message rates and busy time over the last 5 s of recorded calls
-TIMEOUT_S = 10.0       # a query that takes longer is reported, and the view tries again later
+TIMEOUT_S = 10.0       # a query that takes longer is cancelled and reported, and the view tries again later
 
 
 class Answer(NamedTuple):
@@ -31,9 +31,10 @@ class Answer(NamedTuple):
     late: list[str]  # ranks whose newest events were not in yet (busy in a long call)
 
 
-def run(sql: str, pid: int | None) -> Answer:
-    """The answer to `sql` from the controller; RuntimeError with the database's message."""
-    answer = query(sql, pid, timeout=TIMEOUT_S)
+def run(sql: str, pid: int | None, timeout: float = TIMEOUT_S) -> Answer:
+    """The answer to `sql` from the controller, which runs it for up to `timeout` s; RuntimeError with the
+    database's message (QueryTimeout when it ran out of time)."""
+    answer = query(sql, pid, timeout=timeout)
     if "error" in answer:
         raise RuntimeError(answer["error"])
     return Answer(answer["columns"], answer["rows"], answer.get("late", []))

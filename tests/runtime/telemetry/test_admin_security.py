@@ -3,11 +3,13 @@
 Every statement that would read a file, write one, change a setting, load an extension or change a
 table is refused with QueryRefused, through `monarch.sql` and through the admin endpoint (`admin.query`
 and a real `monarch query`), and the tables work afterwards. Slow or idle unauthenticated connections
-are dropped after TOKEN_DEADLINE_S and never hold up a real query.
+are dropped after TOKEN_DEADLINE_S and never hold up a real query: they wait in one event loop, capped per
+peer, and only authenticated connections take one of the MAX_CONNECTIONS serving slots.
 """
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 
 import monarch
 from monarch.actor import Actor, ProcMesh, endpoint
-from monarch.runtime.telemetry import admin
+from monarch.runtime.telemetry import admin, gate
 from monarch.runtime.telemetry.events import Events
 from monarch.runtime.telemetry.store import QueryRefused, Store
 
@@ -128,9 +130,18 @@ def test_the_admin_endpoint_refuses_every_way_out(procs: ProcMesh, tmp_path: Pat
     assert_intact(procs.sql)
 
 
-def connect() -> socket.socket:
-    info = next(c for c in admin.controllers() if c["pid"] == os.getpid())
-    return socket.create_connection(("127.0.0.1", info["port"]), timeout=T)
+def announced() -> dict:
+    return next(c for c in admin.controllers() if c["pid"] == os.getpid())
+
+
+def connect(source: str = "127.0.0.1") -> socket.socket:
+    return socket.create_connection(("127.0.0.1", announced()["port"]), timeout=T, source_address=(source, 0))
+
+
+def is_closed(sock: socket.socket, wait: float = 0.0) -> bool:
+    """Whether the server hung up on `sock` (within `wait` s); it never sends a silent client anything."""
+    ready, _, _ = select.select([sock], [], [], wait)
+    return bool(ready) and sock.recv(1) == b""
 
 
 def closed_after(sock: socket.socket, every: float) -> float:
@@ -177,17 +188,90 @@ def test_many_idle_connections_hold_up_no_query(procs: ProcMesh) -> None:
     assert len(idle) < admin.MAX_CONNECTIONS
 
 
-def test_connections_beyond_the_limit_are_closed_at_once(procs: ProcMesh) -> None:
-    socks = [connect() for _ in range(admin.MAX_CONNECTIONS + 4)]
+HOLDER = """
+import select, socket, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+socks, end = [], time.monotonic() + 120
+while time.monotonic() < end:  # n silent connections, each reopened as soon as the server drops it
+    ready = set(select.select(socks, [], [], 0)[0])
+    for s in ready:
+        s.close()
+    first = not socks
+    socks = [s for s in socks if s not in ready]
+    while len(socks) < n:
+        socks.append(socket.create_connection(("127.0.0.1", port)))
+    if first:
+        print("holding", flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_silent_connections_held_open_starve_no_query(procs: ProcMesh) -> None:
+    """Another process keeps 40 unauthenticated connections open all the time; every real query gets in."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(announced()["port"]), "40"],
+                              stdout=subprocess.PIPE, text=True)
     try:
-        for sock in socks:
-            sock.settimeout(admin.TOKEN_DEADLINE_S + 3)
-        start = time.monotonic()
-        extra = [sock.recv(1) for sock in socks[-4:]]  # the server closes these without reading
-        assert extra == [b""] * 4 and time.monotonic() - start < admin.TOKEN_DEADLINE_S
-        assert all(sock.recv(1) == b"" for sock in socks[:-4])  # the rest: once their token is overdue
-        assert time.monotonic() - start < admin.TOKEN_DEADLINE_S + 2
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        for i in range(20):
+            start = time.monotonic()
+            assert admin.query(f"SELECT {i} AS i", os.getpid(), timeout=5)["rows"] == [[i]]
+            assert time.monotonic() - start < 5.0
+            time.sleep(0.1)  # spread over a few token deadlines, while the holder reconnects
+        assert holder.poll() is None  # it held its connections all along
     finally:
-        for sock in socks:
+        holder.kill()
+        holder.wait(timeout=T)
+
+
+def test_a_peer_past_its_cap_loses_its_own_oldest_waiting_connection(procs: ProcMesh,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections from 127.0.0.2 play another user's: they never push out this user's waiting ones."""
+    real = gate.peer_of
+    monkeypatch.setattr(gate, "TOKEN_DEADLINE_S", T)  # nothing expires during the test
+    monkeypatch.setattr(gate, "PEER_PENDING", 8)
+    monkeypatch.setattr(gate, "peer_of", lambda c: "other" if c.getpeername()[0] == "127.0.0.2" else real(c))
+    ours = [connect() for _ in range(7)]
+    theirs = [connect("127.0.0.2") for _ in range(20)]
+    try:
+        assert all(is_closed(sock, T) for sock in theirs[:12])  # at once, not after a deadline
+        time.sleep(0.2)
+        assert not any(is_closed(sock) for sock in ours + theirs[12:])
+        assert admin.query("SELECT 1 AS one", os.getpid(), timeout=5)["rows"] == [[1]]
+        ours.append(connect())  # this user's eighth waiting connection: at its cap, nothing goes yet
+        time.sleep(0.2)
+        assert not any(is_closed(sock) for sock in ours)
+        assert admin.query("SELECT 2 AS two", os.getpid(), timeout=5)["rows"] == [[2]]  # past it: ours[0] goes
+        assert is_closed(ours[0], T) and not any(is_closed(sock) for sock in ours[1:] + theirs[12:])
+    finally:
+        for sock in ours + theirs:
             sock.close()
-    assert admin.query("SELECT 1 AS one", os.getpid(), timeout=5)["rows"] == [[1]]
+
+
+def test_the_peer_is_the_user_owning_the_other_end() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with socket.create_connection(server.getsockname(), timeout=T) as client:
+            conn, _ = server.accept()
+            with conn:
+                assert gate.peer_of(conn) == f"uid {os.geteuid()}"
+                assert gate.peer_of(client) == f"uid {os.geteuid()}"  # either end
+
+
+def test_authenticated_connections_past_the_limit_are_told_busy(procs: ProcMesh) -> None:
+    held = [connect() for _ in range(admin.MAX_CONNECTIONS)]
+    try:
+        for sock in held:
+            sock.sendall(bytes.fromhex(announced()["token"]))  # then no request: each holds a serving slot
+        deadline = time.monotonic() + T
+        answer = admin.query("SELECT 1 AS one", os.getpid(), timeout=5)
+        while "busy" not in answer.get("error", "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            answer = admin.query("SELECT 1 AS one", os.getpid(), timeout=5)
+        assert answer["error"].startswith("busy: the controller serves 32 queries"), answer
+    finally:
+        for sock in held:
+            sock.close()
+    answer = admin.query("SELECT 1 AS one", os.getpid(), timeout=5)
+    while "busy" in answer.get("error", "") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        answer = admin.query("SELECT 1 AS one", os.getpid(), timeout=5)
+    assert answer["rows"] == [[1]]
