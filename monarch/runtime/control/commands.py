@@ -117,12 +117,14 @@ class InstallProgram:
 class InvokeProgram:
     """Run installed program `pid` once, in a buffer namespace of its own: free `frees` first; it sees
     this call's buffers under its input ids (`inputs`: (program id, buffer id) pairs) and `feeds`
-    under theirs; `outputs` says under which ids its results are kept."""
+    under theirs; `outputs` says under which ids its results are kept. The programs `forget` names
+    are uninstalled first (the controller dropped them)."""
     pid: int
     inputs: tuple[tuple[int, int], ...]
     outputs: tuple[tuple[int, int], ...]
     feeds: tuple[tuple[int, Any], ...]
     frees: tuple[int, ...] = ()
+    forget: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ class TensorService:
         self.installed[msg.pid] = (msg.view, assemble(msg.shared, msg.patches))
 
     def invoke(self, msg: InvokeProgram) -> None:
+        for pid in msg.forget:
+            self.installed.pop(pid, None)
         view, program = self.installed[msg.pid]
         self.engine.free(Free(msg.frees))
         self._view = view

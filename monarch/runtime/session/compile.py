@@ -238,6 +238,7 @@ class CompiledStep:
                 if isinstance(why, tuple):
                     return program.run(flat, why)
                 programs.remove(program)  # an input is gone or placed anew: it never fits again
+                program.session.forget(program.pid)
         log.debug("monarch.compile: tracing %s (%s)", _name(self.fn), why)
         reached = near(self.fn, flat)
         for opt in known_optimizers(reached):
@@ -245,6 +246,8 @@ class CompiledStep:
                 make_capturable(opt)
         program, result = self._trace(args, kwargs, flat, home(reached))
         if program is not None:
+            for old in programs[:len(programs) + 1 - _KEEP]:  # the oldest, beyond _KEEP: uninstalled
+                old.session.forget(old.pid)
             programs[:] = [*programs[1 - _KEEP:], program]
         return result
 

@@ -90,6 +90,8 @@ class LockstepRunner:
     def invoke(self, call: InvokeProgram, install: tuple[RankProgram, ...] | None) -> None:
         if install is not None:
             self._installed[call.pid] = install
+        for pid in call.forget:
+            self._installed.pop(pid, None)
         outers = []
         for eng in self.engines:
             eng.free(Free(call.frees))

@@ -68,6 +68,7 @@ class Session:
         self.capturing = False
         _all.add(self)
         self._programs: dict[int, list[str]] = {}  # installed program id -> its collectives
+        self._forgotten: list[int] = []  # programs dropped here, uninstalled by the workers with the next call
 
     @property
     def live(self) -> bool:
@@ -184,11 +185,19 @@ class Session:
         return Future(state, self.runner.waiter, fetch.assemble if fetch else _synced)
 
     def invoke(self, call: InvokeProgram, install: tuple[RankProgram, ...] | None = None) -> None:
-        """Run compiled program `call.pid`, installing `install` as that program first when given."""
+        """Run compiled program `call.pid`, installing `install` as that program first when given; the
+        programs `forget` named since the last call are uninstalled first."""
         comms = self._comm_names(install) if install is not None else self._programs[call.pid]
         self._programs[call.pid] = comms
         self.collectives.extend(comms)
+        if self._forgotten:
+            call, self._forgotten = replace(call, forget=tuple(self._forgotten)), []
         self.runner.invoke(call, install)
+
+    def forget(self, pid: int) -> None:
+        """Compiled program `pid` will not run again: the workers drop it with the next call."""
+        if self._programs.pop(pid, None) is not None:
+            self._forgotten.append(pid)
 
     def _comm_names(self, programs: tuple[RankProgram, ...]) -> list[str]:
         """`kind[dim]` of each collective the programs run, in order."""

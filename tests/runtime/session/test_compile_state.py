@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import monarch
+import monarch.actor
 from monarch.errors import TraceError
 from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.session.local import LocalMesh
@@ -255,3 +256,46 @@ def test_state_a_step_changes_while_recorded_is_refused(make: Callable[[LocalMes
     with pytest.raises(TraceError, match=message):
         for _ in range(2):  # NAdam's state exists from the second call on
             step(x, y)
+
+
+class Installed(monarch.actor.Actor):
+    """How many compiled programs this worker's tensor engine holds."""
+
+    @monarch.actor.endpoint
+    def count(self) -> int:
+        import gc
+        services = [o for o in gc.get_objects() if type(o).__name__ == "TensorService"]
+        return sum(len(s.installed) for s in services)
+
+
+def test_programs_a_changing_hyperparameter_retires_are_uninstalled(procs: ProcMesh) -> None:
+    """An lr that changes every call retraces every call; the workers keep no more programs than the
+    controller's cache of the step (the ones it drops are uninstalled with the next call)."""
+    from monarch.runtime.session.compile import _KEEP
+    m, ref = model(), model()
+    monarch.data_parallel(m, procs, dim="dp")
+    opt, ropt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    sch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    rsch = torch.optim.lr_scheduler.StepLR(ropt, step_size=1, gamma=0.9)
+    counter = procs.spawn("installed", Installed)
+    before = max(counter.count.call().get(timeout=TIMEOUT).values())
+
+    @monarch.compile
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for x, y in batches(3 * _KEEP):
+        got = value(step(x, y))
+        want = F.mse_loss(ref(x), y)
+        want.backward()
+        ropt.step()
+        ropt.zero_grad()
+        sch.step()
+        rsch.step()
+        close(got, want.detach())
+    assert step.traces == 3 * _KEEP
+    assert max(counter.count.call().get(timeout=TIMEOUT).values()) - before <= _KEEP + 1  # one leaves next call
