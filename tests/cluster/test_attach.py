@@ -377,13 +377,11 @@ def test_a_controller_tries_again_until_the_agent_completes_a_handshake(tmp_path
     starts on that port: the controller attaches within its timeout."""
     result: list[object] = []
     with socket.create_server(("127.0.0.5", 0)) as fake:
-        fake.settimeout(T)
         address = "tcp://127.0.0.5:%d" % fake.getsockname()[1]
         thread = threading.Thread(target=lambda: result.append(_attach(address)), daemon=True)
         thread.start()
-        fake.accept()[0].close()
-        conn = fake.accept()[0]
-        with conn:
+        _next_try(fake, thread, result).close()
+        with _next_try(fake, thread, result) as conn:
             conn.sendall(wire.MAGIC + os.urandom(wire.NONCE_BYTES))
             codec.recv_exact(conn, ANSWER, time.monotonic() + T)
     agent = start_agent("127.0.0.5", tmp_path / "log", port=int(address.rsplit(":", 1)[1]))
@@ -393,6 +391,15 @@ def test_a_controller_tries_again_until_the_agent_completes_a_handshake(tmp_path
     finally:
         detach([address])
         stop_agent(agent)
+
+
+def _next_try(fake: socket.socket, controller: threading.Thread, result: list[object]) -> socket.socket:
+    """The controller's next connection to `fake`; fails at once when the controller has given up."""
+    until(lambda: select.select([fake], [], [], 0.05)[0] or not controller.is_alive(), "the controller tried again")
+    assert controller.is_alive(), f"the controller gave up: {result}"
+    conn = fake.accept()[0]
+    conn.settimeout(T)
+    return conn
 
 
 def _attach(address: str) -> object:
