@@ -129,7 +129,11 @@ class AdminServer:
         """An authenticated connection: served on a thread of its own, or told that the slots are taken."""
         conn.setblocking(True)
         if self._slots.acquire(blocking=False):
-            threading.Thread(target=self._session, args=(conn,), name="monarch-admin-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._session, args=(conn,), name="monarch-admin-conn", daemon=True).start()
+            except RuntimeError:  # no thread to be had now: the client may try again
+                self._slots.release()
+                conn.close()
             return
         with conn, suppress(OSError):
             conn.settimeout(TOKEN_DEADLINE_S)

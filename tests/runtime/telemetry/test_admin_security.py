@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import monarch
 from monarch.actor import Actor, ProcMesh, endpoint
-from monarch.runtime.telemetry import admin, gate
+from monarch.runtime.telemetry import admin
 from monarch.runtime.telemetry.events import Events
 from monarch.runtime.telemetry.store import QueryRefused, Store
 
@@ -226,6 +226,7 @@ def test_silent_connections_held_open_starve_no_query(procs: ProcMesh) -> None:
 def test_a_peer_past_its_cap_loses_its_own_oldest_waiting_connection(procs: ProcMesh,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Connections from 127.0.0.2 play another user's: they never push out this user's waiting ones."""
+    from monarch.runtime.telemetry import gate
     real = gate.peer_of
     monkeypatch.setattr(gate, "TOKEN_DEADLINE_S", T)  # nothing expires during the test
     monkeypatch.setattr(gate, "PEER_PENDING", 8)
@@ -248,6 +249,7 @@ def test_a_peer_past_its_cap_loses_its_own_oldest_waiting_connection(procs: Proc
 
 
 def test_the_peer_is_the_user_owning_the_other_end() -> None:
+    from monarch.runtime.telemetry import gate
     with socket.create_server(("127.0.0.1", 0)) as server:
         with socket.create_connection(server.getsockname(), timeout=T) as client:
             conn, _ = server.accept()
