@@ -1,12 +1,10 @@
 """The controller's telemetry database: an embedded DuckDB (in memory, or MONARCH_TELEMETRY_DB).
 
-Events from the controller itself and batches from the workers wait as they came (flat lists, see
-telemetry.Events) and are loaded into DuckDB, column by column through numpy, right before a query
-runs or once many are waiting (never by a thread that would wait for it: the poller never does);
-`sql()` returns `Rows`, a list of tuples that knows its column names. Each table keeps its newest
-MONARCH_TELEMETRY_RETAIN rows. Queries are read-only: the database has no file, network or extension
-access, its configuration is locked, and only read statements run, each on its own cursor, so loading
-goes on beside it; a query past its time limit, or whose client went away, is interrupted.
+Events wait as they came (flat lists, see telemetry.Events) and are loaded column by column through numpy
+before a query, or once many wait (by a thread that finds the database free: the poller never waits).
+Each table keeps its newest MONARCH_TELEMETRY_RETAIN rows. Queries only read (no file, network or extension
+access, locked configuration) on a cursor of their own, beside the loading, until their time limit or their
+client is gone; `sql()` returns `Rows`, a list of tuples that knows its column names.
 """
 from __future__ import annotations
 
