@@ -13,6 +13,8 @@ Numbers (all round trips timed on the controller with time.perf_counter):
   4 actors against the 1-actor rate.
 - spawn: `spawn_procs(per_host={"gpus": 4})` + `spawn` until the first `call` answers, median of fresh
   meshes (each stopped afterwards, stop not timed), against starting 4 bare Python interpreters at once.
+- stop: `procs.stop().get()` of a 4-proc mesh whose workers imported torch (a tensor op ran), median of
+  fresh meshes, against the 0.3 s target and against the spawn of such a mesh.
 - kill -9: SIGKILL one worker of a 2-proc mesh while a call is pending; time until the caller's
   `get()` raises SupervisionError (which names the rank and the signal), against the 1 s target.
 """
@@ -211,6 +213,17 @@ def spawn_to_first_call(payload: bytes) -> float:
         procs.stop()
 
 
+def stop_with_torch() -> float:
+    """Seconds `stop()` of a 4-proc mesh takes once its workers imported torch (a tensor op ran)."""
+    import torch
+    procs = this_host().spawn_procs(per_host={"gpus": 4}, name="bench-stop")
+    with procs.activate():
+        assert torch.ones(4).sum().item() == 4
+    t0 = time.perf_counter()
+    procs.stop().get(timeout=TIMEOUT)
+    return time.perf_counter() - t0
+
+
 def kill_detection() -> float:
     """Seconds from SIGKILL of a worker in the middle of a call to the SupervisionError on the caller."""
     return signal_detection(signal.SIGKILL, TIMEOUT)
@@ -344,6 +357,13 @@ def spawn_row(payload: bytes, plan: Plan) -> Row:
                f"4 bare pythons at once {bare * 1e3:,.0f} ms", ratio(spawn, bare))
 
 
+def stop_row(plan: Plan) -> Row:
+    n = max(plan.spawns, 5)
+    stop = statistics.median(stop_with_torch() for _ in range(n))
+    return Row(f"stop 4 procs with torch imported (median of {n})", f"{stop * 1e3:,.0f} ms", "target 300 ms",
+               ratio(stop, 0.3))
+
+
 def kill_row(plan: Plan) -> Row:
     detect = statistics.median(kill_detection() for _ in range(plan.spawns))
     return Row(f"kill -9 to SupervisionError (median of {plan.spawns})", f"{detect * 1e3:,.1f} ms",
@@ -367,7 +387,7 @@ def main() -> None:
         rows += mesh_rows(procs, payload, plan, block, spin)
     finally:
         procs.stop()
-    rows += [spawn_row(payload, plan), kill_row(plan)]
+    rows += [spawn_row(payload, plan), stop_row(plan), kill_row(plan)]
     print_table(rows)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -129,6 +130,17 @@ class TelemetrySink:
 
     def fail_missing(self, exc: BaseException) -> None:
         self.missing = frozenset()
+
+
+_BANNER = re.compile(r"^(|=+|=   .*|YOUR APPLICATION TERMINATED .*|This typically refers to .*|Please see the FAQ .*)$")
+
+
+def banner_free(text: str) -> str:
+    """The launcher's output without MPICH's "BAD TERMINATION" banner, which it prints whenever a job ends
+    by a signal (also a stop's SIGTERM): monarch reports failures itself, and telemetry keeps the lines."""
+    if "=" not in text and "YOUR APPLICATION" not in text:
+        return text
+    return "".join(ln for ln in text.splitlines(keepends=True) if not _BANNER.match(ln.rstrip("\n")))
 
 
 class Mesh:

@@ -27,7 +27,7 @@ from monarch.runtime.actors import requests
 from monarch.runtime.control import codec, heartbeat, launch
 from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, Busy, Call, Forward, Heartbeat, Hello, MeshFailure,
                                               ProcExit, Reply, ShipTelemetry, Stop, describe_exit, describe_status)
-from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, TelemetrySink
+from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, TelemetrySink, banner_free
 from monarch.runtime.control.futures import CallState, deadline_of
 from monarch.runtime.control.poller import Poller
 from monarch.runtime.telemetry import breakpoints
@@ -307,7 +307,7 @@ class Controller:
         mesh.note_output(name, text)
         if RECORDER.on:
             STORE.add(output_lines(mesh.shape, name, text), mesh.name)
-        OUTPUT.write(mesh.id, name, text)  # to this console as the mesh's logging_option says (telemetry/logs.py)
+        OUTPUT.write(mesh.id, name, banner_free(text))  # to this console as logging_option says (telemetry/logs.py)
 
     def _job_exited(self, mesh: Mesh) -> None:
         assert mesh.proc is not None

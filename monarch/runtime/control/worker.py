@@ -441,4 +441,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from monarch.runtime.control.bootstrap import leave
+    leave(main(sys.argv[1:]))

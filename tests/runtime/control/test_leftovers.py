@@ -2,7 +2,8 @@
 mpiexec, or a stop while every worker is busy. MPICH's shared-memory segments lose their names as soon as
 every rank attached (so no /dev/shm/mpich_shm_* outlives the job), the hydra proxies' topology files
 (/tmp/hydra_hwloc_xmlfile_*) the job added are removed when it ends, and the controller closes the job's
-pipes (its open file descriptors are back where they were).
+pipes (its open file descriptors are back where they were). MPICH's "BAD TERMINATION" banner, which
+mpiexec prints when a job ends by a signal, never reaches the terminal (monarch reports the failure).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ ENDS: dict[str, Callable[[ProcMesh, tuple[int, int]], None]] = {
 
 
 @pytest.mark.parametrize("end", list(ENDS))
-def test_nothing_of_a_mesh_remains(end: str, faults: list) -> None:
+def test_nothing_of_a_mesh_remains(end: str, faults: list, capfd: pytest.CaptureFixture[str]) -> None:
     this_host().spawn_procs(per_host={"gpus": 1}).stop().get(timeout=T)  # the controller's own sockets exist
     gc.collect()
     before, open_before = files(), fds()
@@ -79,3 +80,5 @@ def test_nothing_of_a_mesh_remains(end: str, faults: list) -> None:
     gc.collect()
     assert not [f for f in added if Path(f).exists()], added
     assert fds() == open_before, sorted(os.listdir(f"/proc/{os.getpid()}/fd"))
+    shown = capfd.readouterr()
+    assert "BAD TERMINATION" not in shown.out + shown.err, "MPICH's banner reached the terminal"

@@ -26,6 +26,11 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 
 
+def on(mesh: ProcMesh | None, m: nn.Module) -> nn.Module:
+    """`m` data-parallel over the mesh's "dp", or as it is for plain torch (mesh None)."""
+    return m if mesh is None else monarch.data_parallel(m, mesh, dim="dp")
+
+
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(n)]
@@ -68,9 +73,7 @@ def test_a_scheduler_reaches_an_optimizer_stepped_by_a_helper(procs: ProcMesh, o
                                                                sched_kind: tuple) -> None:
     runs = []
     for mesh in (None, procs):
-        m = model()
-        if mesh is not None:
-            monarch.data_parallel(m, mesh, dim="dp")
+        m = on(mesh, model())
         opt = opt_kind[0](m.parameters(), **opt_kind[1])
         sched = sched_kind[0](opt, **sched_kind[1])
         update = updater(opt)
@@ -93,9 +96,7 @@ def test_a_scheduler_reaches_an_optimizer_stepped_by_a_helper(procs: ProcMesh, o
 def test_a_compiled_forward_backward_feeds_an_eager_optimizer(procs: ProcMesh, opt_kind: tuple) -> None:
     runs = []
     for mesh in (None, procs):
-        m = model()
-        if mesh is not None:
-            monarch.data_parallel(m, mesh, dim="dp")
+        m = on(mesh, model())
         opt = opt_kind[0](m.parameters(), **opt_kind[1])
 
         def fwd_bwd(x: torch.Tensor, y: torch.Tensor, m: nn.Module = m) -> torch.Tensor:
@@ -118,9 +119,7 @@ def test_a_compiled_forward_backward_accumulates_gradients(procs: ProcMesh) -> N
     """Two calls before each optimizer step: the second adds to the gradients the first left, as torch."""
     runs = []
     for mesh in (None, procs):
-        m = model()
-        if mesh is not None:
-            monarch.data_parallel(m, mesh, dim="dp")
+        m = on(mesh, model())
         opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
 
         def fwd_bwd(x: torch.Tensor, y: torch.Tensor, m: nn.Module = m) -> torch.Tensor:
@@ -159,9 +158,7 @@ Scaled.forward = scaled_forward  # type: ignore[method-assign]
 def test_module_attributes_and_closure_scalars_retrace(procs: ProcMesh) -> None:
     runs = []
     for mesh in (None, procs):
-        m = Scaled()
-        if mesh is not None:
-            monarch.data_parallel(m, mesh, dim="dp")
+        m = on(mesh, Scaled())
         offset = 0.0
 
         def forward(x: torch.Tensor, m: Scaled = m) -> torch.Tensor:
@@ -180,9 +177,7 @@ def test_an_adamw_that_stepped_eagerly_before_compiling(procs: ProcMesh) -> None
     """Its step counts were plain tensors when the compiled step first met it through a helper."""
     runs = []
     for mesh in (None, procs):
-        m = model()
-        if mesh is not None:
-            monarch.data_parallel(m, mesh, dim="dp")
+        m = on(mesh, model())
         update = updater(torch.optim.AdamW(m.parameters(), lr=0.05))
 
         def step(x: torch.Tensor, y: torch.Tensor, m: nn.Module = m) -> torch.Tensor:
