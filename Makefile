@@ -19,7 +19,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider -m "not cluster"
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not cluster"
 
 $(VENV)/.installed-cluster: $(VENV)/.installed
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,cluster]'
