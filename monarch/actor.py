@@ -2,8 +2,8 @@
 
 Spawn processes with `this_host().spawn_procs(per_host={...})`, actors with `procs.spawn(...)`, and call
 endpoints with `call`, `call_one`, `choose`, `broadcast` and `stream`. Monarch's transport and RDMA
-switches are here with what they mean for this runtime: the control plane is TCP, CUDA tensors move
-through NCCL, and there is no GPUDirect RDMA buffer.
+switches are here with what they mean for this runtime: the control plane is TCP, MeshTensors live in
+the workers' CPU memory and move between them over MPI, and there is no GPUDirect RDMA buffer.
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def enable_transport(transport: ChannelTransport | str) -> None:
 
 
 def gpu_direct_rdma_supported() -> bool:
-    """Whether actors can hand GPU memory to RDMA here: never in this runtime (CUDA tensors of MeshTensors
-    move through NCCL; actor messages through the control plane)."""
+    """Whether actors can hand GPU memory to RDMA here: never in this runtime (MeshTensors live in CPU
+    memory and move over MPI; actor messages go through the control plane)."""
     return False
 
 

@@ -1,8 +1,9 @@
 """Control-plane messages: frozen dataclasses, the only things that travel between processes.
 
-Controller -> worker: SpawnActor, Call, RunProgram, Stop, Supervise, Heartbeat, PortSend. Worker ->
-controller: Hello, Reply, Forward, Busy, ActorFault, Escalate, PortSend, the mesh requests SpawnProcs,
-SpawnActors and StopProcs, and empty frames as heartbeats. Monitor -> controller: ProcExit. Payloads a user
+Controller -> worker: SpawnActor, Call, Reply (answers to a worker's own calls), RunProgram, InstallProgram,
+InvokeProgram, ShipTelemetry, Stop, Supervise, Heartbeat, PortSend. Worker -> controller: Hello, Reply,
+Forward, Busy, ActorFault, Escalate, PortSend, the requests GetController, SpawnProcs, SpawnActors and
+StopProcs, and empty frames as heartbeats. Monitor -> controller: ProcExit. Payloads a user
 supplies (classes, arguments, return values) stay opaque bytes so that one bad payload fails one call,
 never the connection. A rank paused in pdb sends DebugPaused and DebugResumed, and reads DebugInput.
 """
