@@ -29,8 +29,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "ActorError", "CheckpointError", "MeshError", "MonarchError", "RemoteError", "ShapeError", "ShardingError", "SpawnError",
-    "SupervisionError", "TraceError", "TransportError", "UnsupportedOpError", "__version__", *_LAZY,
+    "ActorError", "CheckpointError", "MeshError", "MonarchError", "RemoteError", "ShapeError", "ShardingError",
+    "SpawnError", "SupervisionError", "TraceError", "TransportError", "UnsupportedOpError", "__version__", *_LAZY,
 ]
 
 

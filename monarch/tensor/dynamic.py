@@ -298,7 +298,6 @@ def _density(hist: torch.Tensor, edges: list[torch.Tensor]) -> torch.Tensor:
     return hist
 
 
-
 @torch.library.register_fake("aten::histogram.bins_tensor")
 def _histogram_shapes(x: torch.Tensor, bins: torch.Tensor, *, weight: torch.Tensor | None = None,
                       density: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,6 +310,7 @@ def _histogramdd_shapes(x: torch.Tensor, bins: list[torch.Tensor], *, weight: to
                         density: bool = False) -> torch.Tensor:
     torch._check(x.ndim >= 2, lambda: "torch.histogramdd: input tensor should have at least 2 dimensions")
     return x.new_empty([max(b.shape[0] - 1, 0) for b in bins])
+
 
 def whole(obj: Any) -> Any:
     """`obj` (nested tuples, lists, dicts) with every MeshTensor replaced by its full data."""

@@ -289,7 +289,6 @@ def test_replacing_or_deleting_a_source_drops_its_bytecode(tmp_path: Path) -> No
         assert not pyc.exists(), step
 
 
-
 def test_a_file_that_arrives_with_another_hash_is_refused(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"old")
     with pytest.raises(WorkspaceError, match="arrived with another sha256"):

@@ -425,7 +425,6 @@ HANDLERS: dict[type, Callable[[Worker, Any], None]] = {  # by message type (Repl
     DebugInput: debugger.stale_input, PortSend: Worker._port_send}
 
 
-
 def main(argv: list[str]) -> int:
     from monarch.runtime.control import bootstrap
     boot = bootstrap.start(argv)

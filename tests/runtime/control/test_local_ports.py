@@ -9,8 +9,6 @@ import os
 import socket
 from pathlib import Path
 
-import pytest
-
 from monarch.actor import Actor, ProcMesh, endpoint
 
 T = 30.0
