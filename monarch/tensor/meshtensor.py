@@ -7,16 +7,13 @@ wrapper holds no storage: only the global shape, stride and dtype, the Spec and 
 from __future__ import annotations
 
 import contextlib
-import functools
-import sys
-import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from monarch.errors import ShardingError, TraceError
-from monarch.tensor import attention, dynamic, ops, setitem
+from monarch.errors import ShardingError
+from monarch.tensor import attention, data_dependent, dynamo, ops, setitem
 from monarch.tensor.ops import batched
 from monarch.tensor.placement import Placement, normalize
 from monarch.tensor.spec import Spec
@@ -39,23 +36,13 @@ class Backend(Protocol):
         """`target` names `source`'s buffer from now on (with its spec)."""
 
 
-class _NotTraceable:
-    """An attribute MeshTensor lacks (a class or an instance has no such attribute), except that asking a
-    MeshTensor for it while Dynamo traces for `torch.compile(fullgraph=True)` raises the TraceError."""
-
-    def __get__(self, obj: Any, cls: type | None = None) -> Any:
-        if obj is not None and torch.compiler.is_compiling():
-            _refuse_one_graph()
-        raise AttributeError("__tensor_flatten__")
-
-
 class MeshTensor(torch.Tensor):
     """A global tensor sharded over a mesh; behaves like a plain tensor under torch ops."""
     _spec: Spec
     _backend: Backend
     _handle: Any
     __slots__ = ("_spec", "_backend", "_handle")
-    __tensor_flatten__ = _NotTraceable()  # what Dynamo asks first of each MeshTensor it meets
+    __tensor_flatten__ = dynamo.NotTraceable()  # what Dynamo asks first of each MeshTensor it meets
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -64,7 +51,7 @@ class MeshTensor(torch.Tensor):
         and those monarch records its own way (`_WHOLE`) when they apply."""
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
-            _refuse_one_graph()
+            dynamo.refuse_one_graph()
         if func in _WHOLE:
             out = _WHOLE[func](*args, **kwargs)
             if out is not NotImplemented:
@@ -86,7 +73,7 @@ class MeshTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
                            kwargs: dict | None = None) -> Any:
         backend = _backend_of(func, args, kwargs)
-        done, out = dynamic.rewrite(func, args, kwargs or {})
+        done, out = data_dependent.rewrite(func, args, kwargs or {})
         return out if done else backend.dispatch(func, args, kwargs or {})
 
     # -- sharding --------------------------------------------------------------------------------
@@ -225,63 +212,4 @@ def _tensor_args(args: tuple, kwargs: dict | None) -> Iterator[MeshTensor]:
             yield from (b for b in a if type(b) is MeshTensor)
 
 
-class _OneGraphError(TraceError, torch._dynamo.exc.ShortenTraceback):
-    """A TraceError that Dynamo hands to the caller of the compiled function as it is, its traceback cut
-    at `frame` and its message without the frames Dynamo appends."""
-
-    def __init__(self, message: str, frame: types.FrameType | None) -> None:
-        super().__init__(message, first_useful_frame=frame)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-@torch._dynamo.assume_constant_result
-def _refuse_one_graph() -> None:
-    """Raises when Dynamo traces a MeshTensor op for `torch.compile(fullgraph=True)`: without fullgraph it
-    graph-breaks there and runs the op eagerly. Dynamo runs this at trace time (a constant result)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-    try:
-        tx = InstructionTranslator.current_tx()
-    except AttributeError:  # not inside Dynamo's tracer (another tracer compiles)
-        return
-    if tx is not None and (tx.one_graph or tx.error_on_graph_break):
-        raise _OneGraphError(
-            "torch.compile(fullgraph=True) cannot capture MeshTensor ops: Dynamo cannot trace them into one "
-            "graph (their data lives on the mesh's workers). Use @monarch.compile to record a step once and "
-            "replay it, or torch.compile without fullgraph=True, which runs MeshTensor ops eagerly", sys._getframe())
-
-
-def eager_under_torch_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, a monarch entry point that records ops (distribute_tensor, the factories, local_map), as
-    Dynamo must meet it: under `torch.compile(fullgraph=True)` the call raises the TraceError; otherwise
-    Dynamo graph-breaks at the call and runs it eagerly, never tracing the recording machinery (a data
-    parallel model's input hook calls distribute_tensor inside the compiled forward)."""
-    eager = torch.compiler.disable(fn, recursive=True)
-
-    @functools.wraps(fn)
-    def entry(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            _refuse_one_graph()
-            return eager(*args, **kwargs)
-        return fn(*args, **kwargs)
-    return entry
-
-
-def _run_eagerly_under_torch_compile(*classes: type) -> None:
-    """torch.compile (Dynamo) runs MeshTensor's methods as they are, and all they call: it graph-breaks
-    at them instead of tracing the recording machinery (whose ops it cannot capture anyway)."""
-    frames = getattr(torch._C, "_dynamo", None)
-    if frames is None:
-        return
-    e = frames.eval_frame
-    skip = e._FrameExecStrategy(e._FrameAction.SKIP, e._FrameAction.SKIP)
-    for cls in classes:
-        for f in vars(cls).values():
-            f = getattr(f, "__func__", getattr(f, "fget", f))
-            if isinstance(f, types.FunctionType):
-                e.set_code_exec_strategy(f.__code__, skip)
-
-
-_run_eagerly_under_torch_compile(MeshTensor, _Redistribute)
+dynamo.run_eagerly(MeshTensor, _Redistribute)

@@ -1,4 +1,4 @@
-"""Ops whose output shape or result depends on the values (tensor/dynamic.py), in strict mode: nonzero,
+"""Ops whose output shape or result depends on the values (tensor/data_dependent.py), in strict mode: nonzero,
 argwhere, masked_select, x[mask], unique and unique_consecutive (flat and over a dim; inverse, counts),
 bincount, repeat_interleave, histc, histogram and histogramdd (range, weight, density, bin tensors), take,
 bucketize, equal and allclose on randomly placed inputs (uneven, empty and Partial pieces, all-zero and

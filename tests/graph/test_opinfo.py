@@ -31,7 +31,7 @@ from monarch.errors import MonarchError, SupervisionError, UnsupportedOpError
 from monarch.graph.decompose import decomposition
 from monarch.graph.rules.table import RULES
 from monarch.runtime.control.futures import Future
-from monarch.tensor import dynamic
+from monarch.tensor import data_dependent
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, R, Shard
 
@@ -183,8 +183,8 @@ def unclaimed(cases: list[Case], out: Outcome) -> bool:
 
 
 def covered(f: torch._ops.OpOverload) -> bool:
-    """`f` has a sharding rule, a decomposition, or a rewrite of its data-dependent shape (tensor/dynamic.py)."""
-    return f in RULES or decomposition(f) is not None or dynamic.rewrites(f)
+    """`f` has a sharding rule, a decomposition, or a rewrite of its data-dependent shape (tensor/data_dependent.py)."""
+    return f in RULES or decomposition(f) is not None or data_dependent.rewrites(f)
 
 
 def largest_dims(t: torch.Tensor, n: int) -> list[Placement]:

@@ -1,7 +1,7 @@
 """Rules for reductions (sum, mean, prod, amax/amin, max/min, argmax/argmin, var/std, any/all), for
 ops along one dim (cumulative scans, sorts, topk, kthvalue, median, mode: shardable on every other dim)
 and for lookups in a replicated table (searchsorted, bucketize, take, histogram counts: the kernels
-tensor/dynamic.py turns every histogram into, a sharded input's counts add up to a Partial sum).
+tensor/data_dependent.py turns every histogram into, a sharded input's counts add up to a Partial sum).
 
 A dim that is not reduced keeps its shard (renumbered when keepdim=False). Over a sharded reduced dim,
 ops that combine per-piece results run on each piece and leave a Partial output: sum and mean give

@@ -10,7 +10,7 @@ either operand's rows shard; the features shard only where the distance is a sum
 giving a Partial result. pdist mixes every row with every other: its input is replicated.
 CTC runs each sample alone, so the batch dim shards, with the global length lists cut to this rank's
 samples; the overloads taking the lengths as tensors read them first (a sync point: log_alpha's width
-depends on them) and run as the list overloads, through the data-dependent rewrites of `tensor/dynamic.py`.
+depends on them) and run as the list overloads, through the data-dependent rewrites of `tensor/data_dependent.py`.
 """
 from __future__ import annotations
 

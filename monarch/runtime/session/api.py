@@ -26,7 +26,8 @@ from monarch.runtime.control.futures import Future
 from monarch.runtime.engine import kernels
 from monarch.runtime.session import torch_state
 from monarch.runtime.session.session import Session, all_sessions, session_of
-from monarch.tensor.meshtensor import MeshTensor, eager_under_torch_compile
+from monarch.tensor.dynamo import eager_under_torch_compile
+from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
 from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec

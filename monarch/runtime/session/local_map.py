@@ -19,7 +19,8 @@ from monarch.program.instr import Buf, Local
 from monarch.runtime.control import codec
 from monarch.runtime.session.api import PlacementsArg
 from monarch.runtime.session.session import Session, _target
-from monarch.tensor.meshtensor import MeshTensor, eager_under_torch_compile
+from monarch.tensor.dynamo import eager_under_torch_compile
+from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
 from monarch.tensor.spec import Spec
 

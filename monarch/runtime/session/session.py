@@ -30,7 +30,7 @@ from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.control.controller import controller
 from monarch.runtime.control.futures import CallState, Future, Waiter
 from monarch.runtime.session.lower import lower, lower_install
-from monarch.tensor.dynamic import whole
+from monarch.tensor.data_dependent import whole
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
 from monarch.tensor.spec import Spec, spec_of
