@@ -1,4 +1,4 @@
-"""Neural-network op rules (graph/rules_nn.py) on the reference mesh: softmax, layer norm, embedding and
+"""Neural-network op rules (graph/rules/nn.py) on the reference mesh: softmax, layer norm, embedding and
 nll_loss with their backward ops against plain torch for random shapes (uneven and empty shards) and
 placements; collectives for the key cases; the rules themselves on hand-built specs.
 """

@@ -1,4 +1,4 @@
-"""Reduction rules (graph/rules_reduce.py) on the reference mesh: values against plain torch for random
+"""Reduction rules (graph/rules/reduce.py) on the reference mesh: values against plain torch for random
 shapes (uneven and empty shards included) and placements, collectives for the key cases, and the rules
 themselves on hand-built specs.
 """

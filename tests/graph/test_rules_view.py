@@ -1,4 +1,4 @@
-"""Sharding rules of view and shape ops (monarch/graph/rules_view.py) on the in-process reference mesh.
+"""Sharding rules of view and shape ops (monarch/graph/rules/view.py) on the in-process reference mesh.
 
 Every op on randomly placed (uneven, nested, Partial) inputs equals plain torch exactly, with
 MONARCH_STRICT=1 so that a missing rule fails instead of running replicated; key cases also pin the

@@ -1,7 +1,7 @@
 """`monarch top`: a live terminal view of a running controller, drawn from its telemetry tables.
 
 The view is three rich renderables, each built from one SQL query over the admin endpoint (see
-runtime/admin.py): the mesh tree (hosts -> procs -> actors, with status), activity per rank (message
+runtime/telemetry/admin.py): the mesh tree (hosts -> procs -> actors, with status), activity per rank (message
 rate, busy time, memory) and the latest failures. `--once` prints them; otherwise `Top`, a textual
 app, redraws them every `interval` seconds above a SQL prompt (Enter runs the query, Up/Down walk the
 history, Ctrl+Q quits). Queries run on worker threads, so a slow controller never freezes the screen.
