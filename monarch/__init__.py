@@ -7,10 +7,23 @@ The sharded-tensor API below loads torch and the compiler on first use, so that 
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from monarch.errors import (ActorError, CheckpointError, MeshError, MonarchError, RemoteError, ShapeError,
                             ShardingError, SpawnError, SupervisionError, TraceError, TransportError, UnsupportedOpError)
+
+if TYPE_CHECKING:  # what _LAZY loads on first use, visible to type checkers and IDEs (names in __all__)
+    from monarch.graph.rules.table import register_rule  # noqa: F401
+    from monarch.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,  # noqa: F401
+                                  data_parallel, full_state_dict, parallelize_module)
+    from monarch.runtime.actors.proc_mesh import debug, sql  # noqa: F401
+    from monarch.runtime.session.api import (arange, distribute_tensor, empty, explain, fetch, full,  # noqa: F401
+                                             ones, rand, randint, randn, synchronize, zeros)
+    from monarch.runtime.session.compile import compile  # noqa: F401, A004 - the public name is monarch.compile
+    from monarch.runtime.session.local import LocalMesh  # noqa: F401
+    from monarch.runtime.session.local_map import local_map  # noqa: F401
+    from monarch.tensor import MeshTensor, Partial, Placement, Replicate, Shard  # noqa: F401
+    from monarch.tensor.random import manual_seed  # noqa: F401
 
 __version__ = "0.1.0"
 
