@@ -66,4 +66,5 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     save(sys.argv[1])
     load(sys.argv[2])
+    dist.barrier()  # both ranks are done with their collectives before gloo is torn down
     dist.destroy_process_group()
