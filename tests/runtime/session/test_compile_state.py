@@ -70,7 +70,7 @@ ONE_CYCLE = (torch.optim.lr_scheduler.OneCycleLR, {"max_lr": 0.1, "total_steps":
                                                   (ADAMW, ONE_CYCLE)],
                          ids=["sgd-steplr", "sgd-onecycle", "adamw-steplr", "adamw-onecycle"])
 def test_a_scheduler_reaches_an_optimizer_stepped_by_a_helper(procs: ProcMesh, opt_kind: tuple,
-                                                               sched_kind: tuple) -> None:
+                                                              sched_kind: tuple) -> None:
     runs = []
     for mesh in (None, procs):
         m = on(mesh, model())
@@ -204,32 +204,28 @@ class Counting(nn.Linear):
         return super().forward(x)
 
 
+def stepper(m: nn.Module, opt: torch.optim.Optimizer, then: Callable[[], Any] = lambda: None) -> Callable[..., Any]:
+    """A training step of `m` with `opt` (mean squared error), then `then()` inside the step."""
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        then()
+        return loss
+    return step
+
+
 def scheduled_inside(mesh: LocalMesh) -> Callable[..., Any]:
     m = monarch.data_parallel(model(), mesh, dim="dp")
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        return loss
-    return step
+    return stepper(m, opt, sched.step)
 
 
 def nadam(mesh: LocalMesh) -> Callable[..., Any]:
     m = monarch.data_parallel(model(), mesh, dim="dp")
-    opt = torch.optim.NAdam(m.parameters(), lr=0.1)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return step
+    return stepper(m, torch.optim.NAdam(m.parameters(), lr=0.1))
 
 
 def counting(mesh: LocalMesh) -> Callable[..., Any]:
@@ -275,14 +271,7 @@ def test_programs_a_changing_hyperparameter_retires_are_uninstalled(procs: ProcM
     counter = procs.spawn("installed", Installed)
     before = max(counter.count.call().get(timeout=TIMEOUT).values())
 
-    @monarch.compile
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = monarch.compile(stepper(m, opt))
     for x, y in batches(3 * _KEEP):
         got = value(step(x, y))
         want = F.mse_loss(ref(x), y)
