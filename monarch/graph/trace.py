@@ -258,8 +258,9 @@ class Tracer:
             return self.wrap(spec, node, ids[0])
         return obj
 
-    def feed(self, spec: Spec, slot: int) -> MeshTensor:
-        """A compiled step's plain tensor argument `slot`, placed as `spec`: each call sends its data."""
+    def feed(self, spec: Spec, slot: Any) -> MeshTensor:
+        """A compiled step's plain tensor argument `slot` (or what getter `slot` returns), placed as `spec`:
+        each call sends its data."""
         node, ids = self.node(feed, (), (spec,), _no_instructions)
         node.meta["feed"] = slot
         return self.wrap(spec, node, ids[0])

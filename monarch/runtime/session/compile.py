@@ -136,7 +136,7 @@ class Program:
     inputs: tuple[Input, ...]
     outputs: tuple[Kept | KeptGrad, ...]
     returns: tuple[tuple[int, Spec], ...]              # produced ids of the returned tensors, their specs
-    feeds: tuple[tuple[int, int], ...]                 # feed id, argument slot (replicated)
+    feeds: tuple[tuple[int, Any], ...]                 # feed id, argument slot or getter (replicated)
     salt: int | None                                   # feed id of the random ops' per-call salt
     spec: pytree.TreeSpec                              # structure of the return value
     guards: Guards                                     # the Python state it was recorded with
@@ -201,11 +201,11 @@ class Program:
         return tuple(outputs), moved
 
 
-def feeds(slots: tuple[tuple[int, int], ...], flat: list[Any], salt: int | None) -> tuple[tuple[int, Any], ...]:
+def feeds(slots: tuple[tuple[int, Any], ...], flat: list[Any], salt: int | None) -> tuple[tuple[int, Any], ...]:
     """The plain tensor arguments' data under their feed ids (every rank gets all of it), as numpy
     arrays where numpy has the dtype: they pickle many times faster than tensors; and under `salt` a new
     draw of monarch.manual_seed's stream, so that the program's random ops draw new numbers each call."""
-    data = tuple((fid, _portable(flat[slot].detach())) for fid, slot in slots)
+    data = tuple((fid, _portable(flat[slot].detach() if isinstance(slot, int) else slot())) for fid, slot in slots)
     return data if salt is None else data + ((salt, _portable(torch.tensor(next_seed(), device="cpu"))),)
 
 
@@ -260,7 +260,7 @@ class CompiledStep:
         sessions = list(all_sessions())
         fed = [target.tracer.feed(_replicated(t, target), i) if _plain(t) else t for i, t in enumerate(flat)]
         args, kwargs = pytree.tree_unflatten(fed, pytree.tree_flatten((args, kwargs))[1])
-        watch = Watch()
+        watch = Watch(feed=lambda get: target.tracer.feed(_scalar(target), get))
         captures = {s: Capture(on_input=watch.input) for s in sessions}
         before = {s: s.tracer.epoch for s in sessions}
         for s in sessions:
@@ -292,6 +292,10 @@ def _name(fn: Callable[..., Any]) -> str:
 
 def _plain(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and type(t) is not MeshTensor
+
+
+def _scalar(s: Session) -> Spec:
+    return _replicated(torch.empty((), dtype=torch.float64, device="meta"), s)
 
 
 def _replicated(t: torch.Tensor, s: Session) -> Spec:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim import adam as torch_adam
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from monarch.errors import TraceError
 from monarch.graph.trace import SCALARS
@@ -45,12 +45,23 @@ def value(v: Any) -> Any:
     return (type(v).__name__, id(v))
 
 
-def optimizer_state(opt: torch.optim.Optimizer) -> tuple[Any, Any]:
+def optimizer_state(opt: torch.optim.Optimizer, fed: bool = False) -> tuple[Any, Any]:
     """Its hyperparameters per group, and per parameter how many state entries it has and the Python-side
-    ones (its MeshTensor state is read by the program as inputs)."""
-    groups = tuple(tuple((k, value(v)) for k, v in g.items() if k != "params") for g in opt.param_groups)
+    ones (its MeshTensor state is read by the program as inputs). With `fed`, without the learning rates a
+    program reads as inputs (`fed_lr`): what a replay needs to be the same."""
+    groups = tuple(tuple((k, value(v)) for k, v in g.items() if k != "params" and not (fed and k in fed_keys(opt, g)))
+                   for g in opt.param_groups)
     params = tuple(_param_state(opt.state.get(p)) for g in opt.param_groups for p in g["params"])
     return groups, params
+
+
+def fed_keys(opt: torch.optim.Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
+    """The hyperparameters a recorded step reads as inputs each call: the float lr of a capturable Adam
+    (or AdamW) stepping one tensor at a time (torch's default on cpu), whose step takes a tensor lr, so an
+    LR scheduler stepping between calls needs no new recording. (Tensor betas, or a tensor lr in the
+    foreach path, would be read on the controller: a momentum schedule, or foreach=True, records anew.)"""
+    plain = isinstance(opt, torch.optim.Adam) and group.get("capturable") and not group.get("foreach")
+    return ("lr",) if plain and not group.get("fused") and type(group["lr"]) is float else ()
 
 
 def _param_state(st: dict[str, Any] | None) -> tuple[Any, ...]:
@@ -113,7 +124,9 @@ class Watch:
     """Records, while a step is traced, the state it reads (at first sight): `input` is the tracer's
     callback for MeshTensors read from outside the step; leaves that need gradients are parameters, and
     whether backward accumulates into their `.grad` or makes a fresh one depends on it being None."""
-    optimizers: dict[int, tuple[torch.optim.Optimizer, Any]] = field(default_factory=dict)
+    feed: Callable[[Callable[[], torch.Tensor]], MeshTensor] | None = None  # a per-call input of the step
+    optimizers: dict[int, tuple[torch.optim.Optimizer, Any, Any]] = field(default_factory=dict)
+    lent: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)  # hyperparameters fed now
     modules: dict[int, tuple[torch.nn.Module, Any]] = field(default_factory=dict)
     grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # param, its .grad
     unconverted: list[torch.optim.Optimizer] = field(default_factory=list)  # Adam with step counts still here
@@ -131,8 +144,21 @@ class Watch:
         if id(opt) not in self.optimizers:
             if isinstance(opt, torch.optim.Adam) and not make_capturable(opt, convert=False):
                 self.unconverted.append(opt)
-            self.optimizers[id(opt)] = (opt, optimizer_state(opt))
+            self.optimizers[id(opt)] = (opt, optimizer_state(opt), optimizer_state(opt, fed=True))
         self._params(p for g in opt.param_groups for p in g["params"])
+        for g in opt.param_groups if self.feed is not None and opt not in self.unconverted else ():
+            for k in fed_keys(opt, g):  # read as tensors each call brings; the floats are back after the step
+                self.lent.append((g, k, g[k]))
+                g[k] = self._fed(g, k)
+
+    def _fed(self, group: dict[str, Any], key: str) -> MeshTensor:
+        assert self.feed is not None
+        return self.feed(functools.partial(_hyper, group, key))
+
+    def _stepped(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        for g, k, v in self.lent:
+            g[k] = v
+        self.lent.clear()
 
     def _module(self, mod: torch.nn.Module, *_: Any) -> None:
         if id(mod) not in self.modules:
@@ -141,7 +167,8 @@ class Watch:
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
         """torch's global hooks, and zero_grad noting the gradients it clears, while the step is traced."""
-        handles = [register_optimizer_step_pre_hook(self._optimizer), register_module_forward_pre_hook(self._module)]
+        handles = [register_optimizer_step_pre_hook(self._optimizer), register_optimizer_step_post_hook(self._stepped),
+                   register_module_forward_pre_hook(self._module)]
         own = torch.optim.Optimizer.zero_grad, torch.nn.Module.zero_grad
 
         def opt_zero_grad(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
@@ -163,13 +190,14 @@ class Watch:
         """The program's guards: the state met at first sight, and whether each parameter (not an argument,
         by `id`) had a `.grad`."""
         return Guards(
-            tuple(Guard(type(o).__name__, weakref.ref(o), s, optimizer_state) for o, s in self.optimizers.values()) +
+            tuple(Guard(type(o).__name__, weakref.ref(o), s, functools.partial(optimizer_state, fed=True))
+                  for o, _, s in self.optimizers.values()) +
             tuple(_module_guard(m, s) for m, s in self.modules.values()),
             tuple((weakref.ref(p), g is not None) for p, g in self.grads.values() if id(p) not in arguments))
 
     def refuse_changes(self, step: str) -> None:
         """Raise TraceError for state the step changed in Python while it was recorded."""
-        for opt, (groups, params) in self.optimizers.values():
+        for opt, (groups, params), _ in self.optimizers.values():
             now_groups, now_params = optimizer_state(opt)
             name = type(opt).__name__
             _refuse_change(step, _groups(name, groups), _groups(name, now_groups),
@@ -264,3 +292,8 @@ def capturable_on_cpu() -> Iterator[None]:
         yield
     finally:
         torch_adam._get_capturable_supported_devices = own
+
+
+def _hyper(group: dict[str, Any], key: str) -> torch.Tensor:
+    """A group's hyperparameter now, as the tensor a call of the recorded step brings."""
+    return torch.tensor(group[key], dtype=torch.float64, device="cpu")

@@ -283,3 +283,22 @@ def test_programs_a_changing_hyperparameter_retires_are_uninstalled(procs: ProcM
         close(got, want.detach())
     assert step.traces == 3 * _KEEP
     assert max(counter.count.call().get(timeout=TIMEOUT).values()) - before <= _KEEP + 1  # one leaves next call
+
+
+def test_an_lr_schedule_of_adamw_records_the_step_once(procs: ProcMesh) -> None:
+    """A capturable AdamW reads its learning rate as an input each call brings: a scheduler that moves the
+    lr every call (OneCycleLR without momentum cycling) needs no new recording, and values equal torch."""
+    runs, traces = [], 0
+    for mesh in (None, procs):
+        m = on(mesh, model())
+        opt = torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=8, cycle_momentum=False)
+        step = monarch.compile(stepper(m, opt)) if mesh is not None else stepper(m, opt)
+        losses = []
+        for x, y in batches(6):
+            losses.append(value(step(x, y)))
+            sched.step()
+        runs.append((losses, params(m)))
+        traces = getattr(step, "traces", traces)
+    close(runs[1], runs[0])
+    assert traces == 2, "the first call (empty optimizer state) and the steady state, whatever the lr"
