@@ -68,6 +68,14 @@ def is_file(path: Path, size: int | None = None) -> bool:
     return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
 
 
+def is_dir(path: Path) -> bool:
+    """Whether `path` itself (not what a link names) is a directory."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 def target(copy: Path, rel: str) -> Path:
     """The path of `rel` in the copy; refuses one that would leave it."""
     p = PurePosixPath(rel)
@@ -81,12 +89,10 @@ def make_parents(copy: Path, dest: Path) -> None:
     d = copy
     for part in dest.relative_to(copy).parts[:-1]:
         d = d / part
-        try:
-            if stat.S_ISDIR(os.lstat(d).st_mode):
-                continue
+        if is_dir(d):
+            continue
+        with suppress(FileNotFoundError):  # a link or a file in the directory's place goes
             os.unlink(d)
-        except FileNotFoundError:
-            pass
         os.mkdir(d)
 
 
