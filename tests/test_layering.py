@@ -46,6 +46,7 @@ LAZY_DOWNWARD = {  # the only imports of a higher folder or a sibling (downward 
         "ProcMesh.run_spmd loads the torchrun-style runner only when called",
 }
 
+
 @dataclass(frozen=True)
 class Import:
     """One imported module, resolved to its absolute name, and where the import is."""
