@@ -12,13 +12,13 @@ import enum
 from monarch import config
 from monarch.cluster.agent import run_worker_loop_forever
 from monarch.cluster.attach import attach_to_workers
+from monarch.cluster.hosts import HostMesh, this_host
 from monarch.errors import ActorError, MonarchError, SupervisionError
 from monarch.runtime.actors.actor_mesh import ActorMesh, EndpointRef
 from monarch.runtime.actors.context import Context, context, current_actor_name
 from monarch.runtime.actors.controllers import get_or_spawn_controller
 from monarch.runtime.actors.endpoint import Actor, Endpoint, concurrent_endpoint, endpoint
-from monarch.runtime.actors.host_mesh import (HostMesh, local_proc_mesh, proc_mesh, shutdown_context, sim_proc_mesh,
-                                              this_host, this_proc)
+from monarch.runtime.actors.host_mesh import local_proc_mesh, proc_mesh, shutdown_context, sim_proc_mesh, this_proc
 from monarch.runtime.actors.ports import Accumulator, Channel, Port, PortReceiver, RankedPortReceiver, send
 from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.actors.supervision import unhandled_fault_hook

@@ -23,9 +23,9 @@ from typing import Any
 
 from monarch import config
 from monarch.cluster import wire
+from monarch.cluster.hosts import HostMesh
 from monarch.cluster.ssh import hydra_iface
 from monarch.errors import SpawnError
-from monarch.runtime.actors.host_mesh import HostMesh
 from monarch.runtime.control import codec, launch
 from monarch.shape import Shape
 

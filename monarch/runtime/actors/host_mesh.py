@@ -1,8 +1,9 @@
-"""Host meshes on the controller: `this_host()`, `HostMesh([...])` over ssh, `HostMesh.from_slurm()`.
+"""Host meshes: hosts and the `Launcher` (runtime/control/launch.py) that starts ranks on them.
 
-A HostMesh names hosts and how ranks start on them (a `Launcher`: forked here, Hydra over ssh, srun in a
-Slurm allocation, or attach-mode agents); `spawn_procs` starts one MPI job across them. Proc meshes of a
-mesh with more than one host get a leading `hosts` dim. `sync_workspace` ships code to every host.
+A HostMesh is given its launcher (forked here, or one of monarch/cluster: Hydra over ssh, srun in a Slurm
+allocation, attach-mode agents; cluster/hosts.py has the HostMesh users name, which picks one); `spawn_procs`
+starts one MPI job across them. Proc meshes of a mesh with more than one host get a leading `hosts` dim.
+`sync_workspace` ships code to every host.
 """
 from __future__ import annotations
 
@@ -29,20 +30,19 @@ STOP_TIMEOUT_S = 30.0  # what shutdown() waits for each proc mesh an actor asked
 
 
 class HostMesh(MeshView):
-    """Hosts that can run workers. `this_host()` is one host whose dim is dropped from proc meshes;
-    `HostMesh(["node1", "node2"])` starts ranks over ssh (MONARCH_SSH); `from_slurm()` with srun.
+    """Hosts that can run workers, each rank started by `launcher`. `this_host()` is this one host.
 
-    A HostMesh pickles as a reference (its hosts and the controller's key for its launcher): inside an
-    actor, `spawn_procs` asks the controller to start the job, and the asking actor owns it."""
+    A HostMesh pickles as a reference (its class, its hosts and the controller's key for its launcher):
+    inside an actor, `spawn_procs` asks the controller to start the job, and the asking actor owns it."""
 
-    def __init__(self, hosts: list[str], launcher: launch.Launcher | None = None) -> None:
+    def __init__(self, hosts: list[str], launcher: launch.Launcher) -> None:
         if not hosts:
             raise MeshError("a HostMesh needs at least one host")
         if len(set(hosts)) != len(hosts):
             raise MeshError(f"a HostMesh names each host once; got {hosts}")
         self._hosts = list(hosts)
         self._shape = Shape.row_major(("hosts",), (len(hosts),))
-        self._launcher: launch.Launcher | None = launcher or _default_launcher(self._hosts)
+        self._launcher: launch.Launcher | None = launcher
         self._local = self._launcher.local
         self._key: int | None = None  # the launcher's key in the controller (requests.keep_launcher)
         self._procs: weakref.WeakSet[ProcMesh] = weakref.WeakSet()
@@ -60,7 +60,7 @@ class HostMesh(MeshView):
         return mesh
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (HostMesh._reference, (self._hosts, self._launcher_key(), self._local))
+        return (type(self)._reference, (self._hosts, self._launcher_key(), self._local))
 
     def _launcher_key(self) -> int:
         if self._key is None:
@@ -71,14 +71,6 @@ class HostMesh(MeshView):
             self._key = requests.keep_launcher(self._launcher)
         return self._key
 
-    @classmethod
-    def from_slurm(cls) -> HostMesh:
-        """The nodes of the Slurm allocation this process runs in (under salloc or sbatch); proc meshes
-        start as job steps with `srun --mpi=pmi2`."""
-        from monarch.cluster import slurm
-        job, nodes = slurm.allocation()
-        return cls(nodes, slurm.SlurmLauncher(job, nodes))
-
     @property
     def hostnames(self) -> list[str]:
         return list(self._hosts)
@@ -88,7 +80,7 @@ class HostMesh(MeshView):
         if self._launcher is None:
             raise MeshError(f"slicing a HostMesh reference inside an actor is not supported ({self._hosts}); "
                             "slice it on the client and pass the slice")
-        return HostMesh(hosts, self._launcher.subset(hosts))
+        return type(self)(hosts, self._launcher.subset(hosts))
 
     def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str | None = None,
                     env: dict[str, str] | None = None, host: str | None = None) -> ProcMesh:
@@ -145,13 +137,6 @@ class HostMesh(MeshView):
         return f"<HostMesh {self._hosts}>"
 
 
-def _default_launcher(hosts: list[str]) -> launch.Launcher:
-    if hosts == ["localhost"]:
-        return launch.LocalLauncher()
-    from monarch.cluster.ssh import SshLauncher
-    return SshLauncher(hosts)
-
-
 def _check_local_size(shape: Shape, local: bool) -> None:
     """Refuse a mesh on this host alone with more processes than MONARCH_MAX_LOCAL_PROCS, before mpiexec."""
     limit = config.max_local_procs()
@@ -162,8 +147,8 @@ def _check_local_size(shape: Shape, local: bool) -> None:
 
 
 def this_host() -> HostMesh:
-    """The machine the controller runs on."""
-    return HostMesh(["localhost"])
+    """The machine the controller runs on, its ranks forked by mpiexec."""
+    return HostMesh(["localhost"], launch.LocalLauncher())
 
 
 _this_proc: list[ProcMesh] = []  # the client's one-process mesh of this_proc()

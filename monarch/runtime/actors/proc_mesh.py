@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
+from importlib import import_module
 from typing import Any, Literal, TypeVar
 
 from monarch.errors import MeshError
@@ -35,6 +36,8 @@ from monarch.shape import MeshView, Shape
 log = logging.getLogger("monarch")
 A = TypeVar("A")
 REQUEST_TIMEOUT = 60.0  # seconds an actor waits for the controller to spawn actors for it
+WORKSPACE = "monarch.cluster.workspace"  # the declared doorways up: ProcMesh.sync_workspace and ProcMesh.run_spmd
+SPMD = "monarch.spmd"  # reach these modules on first use, so that the actor layer imports neither
 
 
 def sql(query: str, timeout: float = 30.0, query_timeout: float | None = None) -> Rows:
@@ -140,14 +143,12 @@ class ProcMesh(MeshView):
     def sync_workspace(self, path: str | os.PathLike[str], *, reload: bool = True) -> Any:
         """Copy directory `path` to the hosts of this mesh, first on the workers' `sys.path`, reloading the
         changed modules (monarch/cluster/workspace.py); returns a SyncReport."""
-        from monarch.cluster.workspace import sync_workspace
-        return sync_workspace(self._here("sync_workspace"), path, reload=reload)
+        return import_module(WORKSPACE).sync_workspace(self._here("sync_workspace"), path, reload=reload)
 
     def run_spmd(self, script: str, args: Sequence[str] = (), *, timeout: float | None = None) -> None:
         """Run the torchrun-style `script` with `args` on every proc of this view, with RANK, WORLD_SIZE,
         MASTER_ADDR, ... set as torchrun sets them (monarch/spmd.py); raises the first rank's failure."""
-        from monarch.spmd import run_spmd
-        run_spmd(self, script, args, timeout=timeout)
+        import_module(SPMD).run_spmd(self, script, args, timeout=timeout)
 
     def sql(self, query: str, timeout: float = 30.0, query_timeout: float | None = None) -> Rows:
         """Run SQL over the telemetry of this process (controller and every mesh), after fetching what

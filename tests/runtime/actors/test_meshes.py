@@ -172,7 +172,8 @@ def test_proc_and_host_meshes_pickle_as_references(procs: ProcMesh) -> None:
     host = pickle.loads(pickle.dumps(this_host()))
     assert host.hostnames == ["localhost"] and "localhost" in repr(host)
     remote = HostMesh(["node-a", "node-b"])
-    assert pickle.loads(pickle.dumps(remote))._launcher is remote._launcher  # kept by the controller under a key
+    copy = pickle.loads(pickle.dumps(remote))
+    assert copy._launcher is remote._launcher and type(copy) is HostMesh  # kept by the controller under a key
 
 
 def test_an_actor_given_a_mesh_spawns_and_calls_actors_on_it(procs: ProcMesh) -> None:

@@ -55,6 +55,8 @@ def test_remote_meshes_advertise_the_route_to_their_first_host(monkeypatch: pyte
 def test_host_meshes_have_a_hosts_dim() -> None:
     hosts = HostMesh(["a", "b", "c"])
     assert hosts.extent == {"hosts": 3} and hosts.slice(hosts=slice(1, 3)).size() == 2
+    assert type(hosts._launcher) is SshLauncher and type(hosts.slice(hosts=0)) is HostMesh  # the user-facing class
+    assert type(this_host()._launcher) is launch.LocalLauncher
     assert this_host().extent == {"hosts": 1}
     with pytest.raises(MeshError, match="hosts"):  # per_host may name any dim but the one several hosts add
         hosts.spawn_procs(per_host={"hosts": 2})

@@ -1,7 +1,9 @@
-"""Jobs that allocate hosts from outside an allocation, with Meta Monarch's names: `SlurmJob` submits a batch
-job that holds nodes and gives one HostMesh per named mesh over them (proc meshes run as its job steps).
+"""The host meshes users build, with Meta Monarch's names: the actor layer's HostMesh with a launcher picked here.
 
-`monarch.job` re-exports it for users; inside an allocation `HostMesh.from_slurm()` is the way (slurm.py).
+`HostMesh(["node1", "node2"])` starts ranks over ssh (ssh.py), `this_host()` forks them on this host,
+`HostMesh.from_slurm()` runs them as srun steps of the allocation it is in (slurm.py), and `SlurmJob`
+submits a batch job that holds nodes, one HostMesh per named mesh over them. `monarch.actor` and
+`monarch.job` re-export them; `attach_to_workers` (attach.py) gives one over attach-mode agents.
 """
 from __future__ import annotations
 
@@ -10,8 +12,35 @@ import time
 from typing import Any
 
 from monarch.cluster import slurm
+from monarch.cluster.ssh import SshLauncher
 from monarch.errors import SpawnError
-from monarch.runtime.actors.host_mesh import HostMesh
+from monarch.runtime.actors import host_mesh
+from monarch.runtime.control.launch import Launcher, LocalLauncher
+
+
+class HostMesh(host_mesh.HostMesh):
+    """Hosts that can run workers. `HostMesh(["node1", "node2"])` starts ranks over ssh (MONARCH_SSH);
+    a `launcher` says otherwise (the Launcher protocol of runtime/control/launch.py)."""
+
+    def __init__(self, hosts: list[str], launcher: Launcher | None = None) -> None:
+        super().__init__(hosts, launcher or default_launcher(hosts))
+
+    @classmethod
+    def from_slurm(cls) -> HostMesh:
+        """The nodes of the Slurm allocation this process runs in (under salloc or sbatch); proc meshes
+        start as job steps with `srun --mpi=pmi2`."""
+        job, nodes = slurm.allocation()
+        return cls(nodes, slurm.SlurmLauncher(job, nodes))
+
+
+def default_launcher(hosts: list[str]) -> Launcher:
+    """Forked here for `["localhost"]`, Hydra over ssh otherwise."""
+    return LocalLauncher() if hosts == ["localhost"] else SshLauncher(hosts)
+
+
+def this_host() -> HostMesh:
+    """The machine the controller runs on."""
+    return HostMesh(["localhost"])
 
 
 class SlurmJob:
@@ -25,8 +54,8 @@ class SlurmJob:
         if not meshes or any(int(n) < 1 for n in meshes.values()):
             raise SpawnError(f"SlurmJob needs at least one host per mesh; got {meshes}")
         self.meshes, self.job_id = dict(meshes), ""
-        self._args = [*(["--partition", partition] if partition else []), *(["--time", time_limit] if time_limit
-                                                                              else []), *slurm_args]
+        self._args = [*(["--partition", partition] if partition else []),
+                      *(["--time", time_limit] if time_limit else []), *slurm_args]
         self._name, self._timeout = job_name, timeout
 
     @classmethod
