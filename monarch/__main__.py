@@ -5,8 +5,8 @@ run an attach-mode worker agent.
   monarch top [--once]            a live view: hosts, procs and actors, message rates, busy time,
                                   memory, the latest failures, and a SQL prompt (runtime/telemetry/top.py)
   monarch debug [--pid P]         the debugger of ranks paused at breakpoint(): list, attach <actor> <rank>,
-                                  cast <actor> ranks(...) <pdb command>, continue (runtime/telemetry/debug_console.py)
-All three attach to the newest controller of this user on this machine (or `--pid`), see telemetry/admin.py.
+                                  cast <actor> ranks(...) <pdb command>, continue (runtime/debug/console.py)
+All three attach to the newest controller of this user on this machine (or `--pid`), see runtime/debug/admin.py.
 
   monarch k8s manifest --name N --replicas R --image I [--gpus G] [--port P] [--namespace NS]
                        [--secret-name S] [--create-secret] [--python PY] [--addresses]
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from functools import partial
 
 from rich.console import Console
 
@@ -54,17 +55,19 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(a)
     if a.cmd == "debug":
         return _debug(a.pid)
+    from monarch.runtime.debug import admin
     from monarch.runtime.telemetry import top
+    query = partial(admin.query, pid=a.pid)
     try:
         if a.cmd == "query":
-            answer = top.run(a.sql, a.pid, a.timeout)
+            answer = top.run(query, a.sql, a.timeout)
             Console().print(top.table(answer.columns, answer.rows))
             if answer.late:
                 print(f"monarch: no events yet from {', '.join(answer.late)} (busy?)", file=sys.stderr)
         elif a.once:
-            Console().print(top.screen(a.pid))
+            Console().print(top.screen(query))
         else:
-            top.Top(a.pid, a.interval).run()
+            top.Top(query, f"controller {a.pid}" if a.pid else "newest controller", a.interval).run()
     except (RuntimeError, ConnectionError) as e:
         print(f"monarch: {e}", file=sys.stderr)
         return 1
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _debug(pid: int | None) -> int:
     """Relay lines between this terminal and the controller's `monarch_dbg>` console, until quit or EOF."""
-    from monarch.runtime.telemetry import admin
+    from monarch.runtime.debug import admin
     try:
         sock, answer = admin.open_console(pid)
     except (OSError, ValueError) as e:

@@ -21,11 +21,11 @@ from monarch.runtime.actors.endpoint import Actor, Endpoint, concurrent_endpoint
 from monarch.runtime.actors.host_mesh import local_proc_mesh, proc_mesh, shutdown_context, sim_proc_mesh, this_proc
 from monarch.runtime.actors.ports import Accumulator, Channel, Port, PortReceiver, RankedPortReceiver, send
 from monarch.runtime.actors.proc_mesh import ProcMesh
-from monarch.runtime.actors.supervision import unhandled_fault_hook
 from monarch.runtime.control.client import current_rank, current_size
 from monarch.runtime.control.commands import MeshFailure
 from monarch.runtime.control.futures import Future, ValueMesh
-from monarch.runtime.telemetry.debug_console import DebugController, debug_controller
+from monarch.runtime.control.supervise import unhandled_fault_hook
+from monarch.runtime.debug.console import DebugController, debug_controller
 from monarch.shape import Extent, Point, Shape
 
 

@@ -14,14 +14,13 @@ from typing import Any
 
 from monarch import config
 from monarch.errors import MeshError, SpawnError
-from monarch.runtime.actors import requests
 from monarch.runtime.actors.actor_mesh import resolved
 from monarch.runtime.actors.context import context
 from monarch.runtime.actors.proc_mesh import Hold, ProcMesh, ask
-from monarch.runtime.control import launch
+from monarch.runtime.control import launch, requests
 from monarch.runtime.control.client import client
 from monarch.runtime.control.commands import SpawnProcs
-from monarch.runtime.control.controller import Controller
+from monarch.runtime.control.controller import controller
 from monarch.runtime.control.futures import Future
 from monarch.shape import MeshView, Shape
 
@@ -53,8 +52,7 @@ class HostMesh(MeshView):
         """A HostMesh unpickled: the launcher is the controller's (here only in the controller's process)."""
         mesh = cls.__new__(cls)
         mesh._hosts, mesh._shape = list(hosts), Shape.row_major(("hosts",), (len(hosts),))
-        c = client()
-        mesh._launcher = requests.launcher_of(key) if isinstance(c, Controller) else None
+        mesh._launcher = requests.launcher_of(key) if client().is_controller else None
         mesh._local, mesh._key = local, key
         mesh._procs, mesh._workspaces = weakref.WeakSet(), []
         return mesh
@@ -65,7 +63,7 @@ class HostMesh(MeshView):
     def _launcher_key(self) -> int:
         if self._key is None:
             assert self._launcher is not None
-            if type(self._launcher) is not launch.LocalLauncher and not isinstance(client(), Controller):
+            if type(self._launcher) is not launch.LocalLauncher and not client().is_controller:
                 raise MeshError(f"a HostMesh over {self._hosts} can be made on the controller only; inside an actor "
                                 "use this_host(), or a HostMesh the client passed to the actor")
             self._key = requests.keep_launcher(self._launcher)
@@ -98,7 +96,7 @@ class HostMesh(MeshView):
         op = SpawnProcs(name or "", shape, self._launcher_key(), tuple(env.items()) if env is not None else None,
                         host)
         info = ask(op).get(config.spawn_timeout() + SPAWN_SLACK_S)
-        procs = ProcMesh(info, hold=Hold(info) if isinstance(client(), Controller) else None)
+        procs = ProcMesh(info, hold=Hold(info) if client().is_controller else None)
         self._procs.add(procs)
         for path, reload in self._workspaces:
             procs.sync_workspace(path, reload=reload)
@@ -129,7 +127,7 @@ class HostMesh(MeshView):
         Returns a Future, done once they stopped (`await` it or `.get()`); idempotent."""
         for stopping in [procs.stop() for procs in list(self._procs)]:
             stopping.get(STOP_TIMEOUT_S)
-        if self._launcher is not None and isinstance(client(), Controller):
+        if self._launcher is not None and client().is_controller:
             self._launcher.release()
         return resolved(None)
 
@@ -157,7 +155,7 @@ _this_proc: list[ProcMesh] = []  # the client's one-process mesh of this_proc()
 def this_proc() -> ProcMesh:
     """The proc mesh of this process's one proc: inside an actor, its own process; on the client, a
     one-process mesh on this host, spawned on first use (actors cannot run inside the client here)."""
-    if not isinstance(client(), Controller):
+    if not client().is_controller:
         return context().actor_instance.proc
     if not _this_proc or not _this_proc[0].running:
         _this_proc[:] = [this_host().spawn_procs(name="this_proc")]
@@ -192,8 +190,8 @@ def _local_devices() -> int:
 
 def shutdown_context() -> Future[None]:
     """Stop every proc mesh this client started (Monarch's shutdown of the client's context); idempotent."""
-    if isinstance(client(), Controller):
-        ctl = client()
-        for mesh in list(ctl.meshes.values()):  # type: ignore[attr-defined]
-            ctl.stop(mesh)  # type: ignore[attr-defined]
+    if client().is_controller:
+        ctl = controller()
+        for mesh in list(ctl.meshes.values()):
+            ctl.stop(mesh)
     return resolved(None)

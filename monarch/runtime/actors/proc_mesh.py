@@ -3,7 +3,7 @@
 A ProcMesh is a named-dim view of one MPI job (spawned by a HostMesh, host_mesh.py). Its dims are the
 `per_host` dims, with a leading `hosts` dim when the host mesh has more than one host. Stopping any view
 stops the whole job. It is a reference that pickles: inside an actor it spawns and stops through the
-controller (`ask`, actors/requests.py).
+controller (`ask`, control/requests.py).
 """
 from __future__ import annotations
 
@@ -11,24 +11,21 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import partial
 from importlib import import_module
 from typing import Any, Literal, TypeVar
 
 from monarch.errors import MeshError
-from monarch.runtime.actors import supervision  # noqa: F401 - the client's supervision and port routing
-from monarch.runtime.actors import requests
 from monarch.runtime.actors.actor_mesh import HOLDS, ActorMesh, resolved
 from monarch.runtime.actors.context import context
 from monarch.runtime.actors.endpoint import endpoints_of
 from monarch.runtime.actors.log_options import Applied, logging_option
-from monarch.runtime.control import codec
+from monarch.runtime.control import codec, requests
 from monarch.runtime.control.client import client, tensor_api
-from monarch.runtime.control.commands import ProcsInfo, SpawnActor, SpawnActors, StopProcs
-from monarch.runtime.control.conn import Mesh
-from monarch.runtime.control.controller import Controller, controller
+from monarch.runtime.control.commands import MeshRequest, ProcsInfo, SpawnActor, SpawnActors, StopProcs
+from monarch.runtime.control.conn import Job
+from monarch.runtime.control.controller import controller
 from monarch.runtime.control.futures import CallState, Future, one_result
 from monarch.runtime.telemetry.store import STORE, Limits, Rows
 from monarch.shape import MeshView, Shape
@@ -42,7 +39,7 @@ SPMD = "monarch.spmd"  # reach these modules on first use, so that the actor lay
 
 def sql(query: str, timeout: float = 30.0, query_timeout: float | None = None) -> Rows:
     """Run SQL over the telemetry of this process and of every running mesh (`monarch.sql`); see ProcMesh.sql."""
-    return controller().sql(query, timeout, limits=Limits(query_timeout))
+    return controller().telemetry.sql(query, timeout, limits=Limits(query_timeout))
 
 
 def debug(n: int = 20, rank: int | None = None, timeout: float = 30.0) -> Rows:
@@ -72,10 +69,10 @@ class ProcMesh(MeshView):
 
     A ProcMesh is a reference: it pickles (mesh id, name, shape, hosts, pids), so an actor given one can
     spawn actors on it and call them; inside an actor, spawning and stopping are asked of the controller
-    (actors/requests.py). On the controller `_mesh` is the job's record; inside an actor it is None.
+    (control/requests.py). On the controller `_mesh` is the job's record; inside an actor it is None.
     """
 
-    def __init__(self, info: ProcsInfo, shape: Shape | None = None, mesh: Mesh | None = None,
+    def __init__(self, info: ProcsInfo, shape: Shape | None = None, mesh: Job | None = None,
                  hold: Hold | None = None) -> None:
         self._info = info
         self._shape = info.shape if shape is None else shape
@@ -101,7 +98,7 @@ class ProcMesh(MeshView):
         """Construct `actor_cls(*args, **kwargs)` on every proc of this view; returns at once (an actor's
         calls run after its __init__; `initialized` waits for it)."""
         table = endpoints_of(actor_cls)
-        creator = None if isinstance(client(), Controller) else context().actor_instance.as_creator()
+        creator = None if client().is_controller else context().actor_instance.as_creator()
         extra = codec.dumps({"creator": creator, "proc_mesh": self})  # what the actors' context() tells
         msg = SpawnActor(name, codec.dumps(actor_cls), codec.dumps((args, kwargs)), self._shape, extra)
         ask(SpawnActors(self._info.mesh_id, msg, actor_cls.__name__)).get(REQUEST_TIMEOUT)
@@ -115,7 +112,7 @@ class ProcMesh(MeshView):
     @property
     def running(self) -> bool:
         """Neither stopped nor failed (on the controller)."""
-        if self._mesh is None and not isinstance(client(), Controller):
+        if self._mesh is None and not client().is_controller:
             raise MeshError(f"ProcMesh.running of {self.name!r} is known on the controller only; inside an actor, "
                             "call the mesh's actors (a stopped mesh raises SupervisionError)")
         return self._mesh is not None and self._mesh.live
@@ -155,7 +152,7 @@ class ProcMesh(MeshView):
         this mesh's workers recorded (waiting up to `timeout` s; `Rows.late` names the ranks that did
         not answer in time). The query itself runs for up to `query_timeout` s (default
         MONARCH_QUERY_TIMEOUT; 0: no limit), then raises QueryTimeout. Tables: see README.md."""
-        return controller().sql(query, timeout, [self._here("sql")._mesh], Limits(query_timeout))
+        return controller().telemetry.sql(query, timeout, [self._here("sql")._mesh], Limits(query_timeout))
 
     def activate(self) -> Any:
         """Context manager: plain torch factories (torch.randn, torch.zeros, ...) create MeshTensors here."""
@@ -198,33 +195,30 @@ class Hold:
 def _unreferenced(mesh_id: int) -> None:
     """The last reference to a proc mesh of the client is gone: stop it on a thread (a finalizer runs
     wherever the collector ran, perhaps while this thread polls)."""
-    ctl = client()
-    mesh = ctl.meshes.get(mesh_id) if isinstance(ctl, Controller) else None
+    mesh = _record(mesh_id)
     if mesh is None or mesh.stopping:
         return
     if mesh.live:
         log.warning("monarch: proc mesh %r is stopped: the last reference to it (a ProcMesh or ActorMesh) is gone; "
                     "stop meshes with procs.stop() or a `with` block", mesh.name)
-    threading.Thread(target=requests.stop_tree, args=(ctl, mesh), name="monarch-unreferenced", daemon=True).start()
+    threading.Thread(target=requests.stop_tree, args=(controller(), mesh), name="monarch-unreferenced",
+                     daemon=True).start()
 
 
-def _record(mesh_id: int) -> Mesh | None:
+def _record(mesh_id: int) -> Job | None:
     """The controller's record of a job, in the controller's process while the job runs."""
-    c = client()
-    return c.meshes.get(mesh_id) if isinstance(c, Controller) else None
+    return controller().meshes.get(mesh_id) if client().is_controller else None
 
 
-def ask(op: Any) -> Future[Any]:
-    """Make mesh request `op` (actors/requests.py): run at once on the controller; from a worker, sent to the
-    controller in the running actor's name (then the Future is done when the controller answered)."""
+def ask(op: MeshRequest, result: Callable[[CallState], Any] = one_result) -> Future[Any]:
+    """Make mesh request `op` (control/requests.py): run at once on the controller; from a worker, sent to the
+    controller in the running actor's name (then the Future is done when the controller answered). `result`
+    makes the Future's value of the answer."""
     c = client()
     op = replace(op, call_id=c.next_call_id())
     state = CallState(_SINGLETON, f"{type(op).__name__} (asked of the controller)")
-    if isinstance(c, Controller):
-        requests.run(c, op, None, partial(state.deliver, 0))
-    else:
-        c.ask(op, state)  # type: ignore[attr-defined]
-    return Future(state, c, one_result)
+    c.ask(op, state)
+    return Future(state, c, result)
 
 
 _SINGLETON = Shape.row_major((), ())

@@ -1,9 +1,9 @@
 """The controller's record of the ranks paused in pdb (`BREAKPOINTS`): who, where, what pdb printed.
 
-Workers report DebugPaused / DebugResumed (actors/debugger.py); the controller's HANDLERS call `on_paused` and
-`on_resumed`, on its poller thread. A console (debug_console.py: `monarch debug`, `debug_controller()`) sends a
-paused rank a line and waits for its next pause or its end. A call that times out behind a paused rank says
-so (`waiting_note`, used by control/futures.py).
+Workers report DebugPaused / DebugResumed (the relayed pdb, runtime/debug/relay.py); the controller's handler
+table (controller.py) calls `on_paused` and `on_resumed`, on its poller thread. A console (runtime/debug/console.py:
+`monarch debug`, `debug_controller()`) sends a paused rank a line and waits for its next pause or its end. A
+call that times out behind a paused rank says so (`waiting_note`, used by futures.py).
 """
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import DebugInput, DebugPaused, DebugResumed
+
+if TYPE_CHECKING:
+    from monarch.runtime.control.conn import Conn, Job
+    from monarch.runtime.control.controller import Controller
 
 Key = tuple[int, str, int]  # (proc mesh id, actor name, rank)
 
@@ -23,8 +27,8 @@ Key = tuple[int, str, int]  # (proc mesh id, actor name, rank)
 @dataclass
 class PausedRank:
     """One rank stopped in pdb: where it stands and what it printed since the last line it was sent."""
-    mesh: Any  # the controller's Mesh (name, id, live)
-    conn: Any  # the rank's connection, which its lines go to
+    mesh: Job  # the controller's record of the rank's job
+    conn: Conn  # the rank's connection, which its lines go to
     actor: str
     endpoint: str
     rank: int
@@ -60,7 +64,7 @@ class Breakpoints:
         self._ranks: dict[Key, PausedRank] = {}
         self.changed = threading.Condition()
 
-    def paused(self, mesh: Any, conn: Any, msg: DebugPaused) -> None:
+    def paused(self, mesh: Job, conn: Conn, msg: DebugPaused) -> None:
         with self.changed:
             key = (mesh.id, msg.actor, msg.rank)
             rec = self._ranks.get(key)
@@ -78,7 +82,7 @@ class Breakpoints:
             rec.seen += 1
             self.changed.notify_all()
 
-    def resumed(self, mesh: Any, msg: DebugResumed) -> None:
+    def resumed(self, mesh: Job, msg: DebugResumed) -> None:
         with self.changed:
             rec = self._ranks.pop((mesh.id, msg.actor, msg.rank), None)
             if rec is not None:
@@ -147,13 +151,12 @@ class Breakpoints:
 BREAKPOINTS = Breakpoints()
 
 
-def on_paused(_ctl: Any, conn: Any, msg: DebugPaused) -> None:
+def on_paused(_ctl: Controller, conn: Conn, msg: DebugPaused) -> None:
     """The controller's handler of DebugPaused (conn: the rank's authenticated connection)."""
+    assert conn.mesh is not None
     BREAKPOINTS.paused(conn.mesh, conn, msg)
 
 
-def on_resumed(_ctl: Any, conn: Any, msg: DebugResumed) -> None:
+def on_resumed(_ctl: Controller, conn: Conn, msg: DebugResumed) -> None:
+    assert conn.mesh is not None
     BREAKPOINTS.resumed(conn.mesh, msg)
-
-
-HANDLERS = {DebugPaused: on_paused, DebugResumed: on_resumed}  # the controller's, for these messages

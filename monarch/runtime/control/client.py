@@ -14,11 +14,23 @@ from monarch.runtime.control.futures import CallState, Waiter
 from monarch.shape import Extent, Point, Shape
 
 if TYPE_CHECKING:
-    from monarch.runtime.control.commands import Call, PortSend
+    from monarch.runtime.control.commands import Call, MeshRequest, PortSend
+
+
+class Inbox(Protocol):
+    """A channel's receiving end (monarch.runtime.actors.ports.Inbox), where a port's messages are put."""
+
+    def put(self, ok: bool, value: bytes, rank: int | None) -> None: ...
 
 
 class Client(Waiter, Protocol):
-    """What a mesh reference or a port needs from the process it lives in."""
+    """What a mesh reference or a port needs from the process it lives in. `is_controller`: whether this
+    process is the controller (it holds the jobs' records and runs mesh requests itself)."""
+    is_controller: bool
+
+    def ask(self, op: MeshRequest, state: CallState) -> None:
+        """Have the controller run mesh request `op` (control/requests.py) for the running actor, or for the
+        client on the controller; its answer settles `state`."""
 
     def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None: ...
 
@@ -30,8 +42,8 @@ class Client(Waiter, Protocol):
     def port_owner(self) -> tuple[int, int] | None:
         """Where ports opened here receive: None on the controller, (mesh id, rank) on a worker."""
 
-    def open_port(self, port: int, inbox: Any) -> None:
-        """Register a channel's receiving end (monarch.runtime.actors.ports.Inbox) under `port`."""
+    def open_port(self, port: int, inbox: Inbox) -> None:
+        """Register a channel's receiving end under `port`."""
 
 
 TENSOR_API = "monarch.runtime.session.api"  # the one module below the actor layer may reach, only here

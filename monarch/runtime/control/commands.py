@@ -279,19 +279,21 @@ class ProcsInfo:
 
 @dataclass(frozen=True)
 class GetController:
-    """Mesh request (actors/controllers.py): the actor mesh `name` of the process tree's singleton actors,
-    spawning `cls(*args)` on a one-process mesh the first time; answered with the ActorMesh."""
+    """Mesh request (control/requests.py): the singleton actor mesh `name` of the process tree, spawned as
+    `cls(*args)` on a one-process mesh the first time; answered with that mesh's ProcsInfo. `context`: a
+    pickled function of that ProcsInfo giving the actors' SpawnActor.context."""
     name: str
     cls: bytes
     args: bytes
     cls_name: str
+    context: bytes = b""
     call_id: int = 0
     actor: str = ""
 
 
 @dataclass(frozen=True)
 class SpawnProcs:
-    """Mesh request (actors/requests.py): start a proc mesh of `shape` with the launcher kept under key
+    """Mesh request (control/requests.py): start a proc mesh of `shape` with the launcher kept under key
     `launcher` (0: this host's); answered with its ProcsInfo. `call_id`/`actor`: who asks, from a worker.
     An empty `name` is the controller's next default: procs, procs_1, procs_2, ..."""
     name: str
@@ -319,6 +321,9 @@ class StopProcs:
     mesh_id: int
     call_id: int = 0
     actor: str = ""
+
+
+MeshRequest = GetController | SpawnProcs | SpawnActors | StopProcs  # what a client asks of the controller
 
 
 def describe_status(wait_status: int, stderr_tail: str = "") -> str:

@@ -1,6 +1,6 @@
 """The controller's records of its peers: one accepted connection (`Conn`) and its reader (`ConnReader`:
-handshake, then frames), one MPI job (`Mesh`), and the sinks that take replies which are not a caller's
-`CallState` (calls an actor made, telemetry batches).
+handshake, then frames), one MPI job (`Job`: the processes of one proc mesh), and the sinks that take
+replies which are not a caller's `CallState` (calls an actor made, telemetry batches).
 
 The controller (controller.py) creates and drives them; they hold state, queue output and split frames.
 """
@@ -47,7 +47,7 @@ class Conn:
         self.head = b""
         self.header: codec.Header | None = None
         self.reader = codec.FrameReader(config.max_frame())
-        self.mesh: Mesh | None = None
+        self.mesh: Job | None = None  # the job of this worker or monitor, once authenticated
         self.opened = self.heard = time.monotonic()  # heard: when a heartbeat check last saw `fresh`
         self.fresh = False  # bytes came from the peer since the last heartbeat check
         self.excused_until = 0.0  # silence is no failure before this (the peer said it is Busy)
@@ -143,8 +143,9 @@ def banner_free(text: str) -> str:
     return "".join(ln for ln in text.splitlines(keepends=True) if not _BANNER.match(ln.rstrip("\n")))
 
 
-class Mesh:
-    """Controller-side record of one MPI job: its connections, pending calls and fate."""
+class Job:
+    """Controller-side record of one MPI job (the processes of one proc mesh): its connections, pending calls
+    and fate."""
 
     def __init__(self, mesh_id: int, name: str, shape: Shape, token: bytes, hosts: list[str]) -> None:
         self.id, self.name, self.shape, self.token = mesh_id, name, shape, token
@@ -202,7 +203,7 @@ class Mesh:
         sink = self.pending.get((msg.reply_to, msg.call_id))
         if not msg.ok and RECORDER.on:
             RECORDER.add("failures", (msg.rank, self.name, "remote error", getattr(sink, "what", ""),
-                                      error_text(msg.value), now_us()))
+                                      error_text(codec.loads_error(msg.value)), now_us()))
         if sink is not None:
             sink.deliver(msg.rank, msg.ok, msg.value)
             if sink.done:

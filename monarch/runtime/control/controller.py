@@ -3,7 +3,9 @@
 One background thread polls every socket and pipe (epoll): it authenticates new connections, delivers
 replies to CallStates, forwards actor-to-actor calls, copies worker output to this process's stdout and
 stderr, and fails every pending call of a mesh whose worker died or went silent (heartbeat.py); a peer's
-messages dispatch by type through `HANDLERS`. User threads send directly.
+messages dispatch by type through `HANDLERS`, the one table of every message the controller handles (its
+handlers live in this module, requests.py, supervise.py, breakpoints.py and collect.py). User threads send
+directly. Telemetry (fetching the workers' events, SQL over them) is the Collector of collect.py.
 """
 from __future__ import annotations
 
@@ -19,31 +21,36 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from monarch import config
 from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
-from monarch.runtime.actors import requests
-from monarch.runtime.control import codec, heartbeat, launch
-from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, Busy, Call, Forward, Heartbeat, Hello, MeshFailure,
-                                              ProcExit, Reply, ShipTelemetry, Stop, describe_exit, describe_status)
-from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Mesh, TelemetrySink, banner_free
-from monarch.runtime.control.futures import CallState, deadline_of
+from monarch.runtime.control import codec, heartbeat, launch, requests, supervise
+from monarch.runtime.control.breakpoints import on_paused, on_resumed
+from monarch.runtime.control.client import Inbox
+from monarch.runtime.control.collect import Collector, on_events
+from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, ActorFault, Busy, Call, DebugPaused, DebugResumed,
+                                              Escalate, Forward, GetController, Heartbeat, Hello, MeshFailure,
+                                              MeshRequest, PortSend, ProcExit, Reply, SpawnActors, SpawnProcs, Stop,
+                                              StopProcs, describe_exit, describe_status)
+from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Job, banner_free
+from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.poller import Poller
-from monarch.runtime.telemetry import breakpoints
 from monarch.runtime.telemetry.events import RECORDER, Events, now_us, output_lines
 from monarch.runtime.telemetry.logs import OUTPUT
-from monarch.runtime.telemetry.store import STORE, Limits, Rows
+from monarch.runtime.telemetry.store import STORE
 from monarch.shape import Shape
 
 log = logging.getLogger("monarch.controller")
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its header
-EXPORT_EVERY_S = 5.0  # how often events are fetched from the workers while an OpenTelemetry export is on
+ADMIN = "monarch.runtime.debug.admin"  # the admin endpoint, loaded only when MONARCH_ADMIN asks for it
 
 
 class Controller:
     """The process-wide control plane; the `Client` that meshes send with on the controller."""
     threaded = True
+    is_controller = True
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
@@ -51,20 +58,20 @@ class Controller:
         self._mesh_ids = itertools.count(1)
         self._handshaking: set[Conn] = set()
         self._ended: dict[int, SupervisionError] = {}  # mesh id -> why it is gone
-        self.meshes: dict[int, Mesh] = {}
-        self.ports: dict[int, Any] = {}  # channel receivers opened on the client (actors/ports.py)
+        self.meshes: dict[int, Job] = {}  # by mesh id, while the job runs
+        self.ports: dict[int, Inbox] = {}  # channel receivers opened on the client (actors/ports.py)
+        self.telemetry = Collector(self)
         self._watch = heartbeat.Watch()
         self._poller = Poller(self._expire)
         self._listeners: dict[str, str] = {}  # bind host -> "host:port"
-        self._next_export = 0.0
         self.address = self.listen(config.host() or "127.0.0.1")
         if config.debug():
             logging.basicConfig()
             log.setLevel(logging.DEBUG)
         atexit.register(self.shutdown)
         if config.admin():
-            from monarch.runtime.telemetry.admin import AdminServer
-            self.admin = AdminServer(self.sql)
+            from monarch.runtime.debug.admin import AdminServer  # the one lazy doorway up to runtime/debug
+            self.admin = AdminServer(self.telemetry.sql)
 
     # -- client protocol -------------------------------------------------------------------------
     def next_call_id(self) -> int:
@@ -73,11 +80,15 @@ class Controller:
     def port_owner(self) -> None:
         return None
 
-    def open_port(self, port: int, inbox: Any) -> None:
+    def open_port(self, port: int, inbox: Inbox) -> None:
         self.ports[port] = inbox
 
-    def send_port(self, msg: Any) -> None:
-        HANDLERS[type(msg)](self, None, msg)  # routed as if a peer had sent it (actors/supervision.py)
+    def send_port(self, msg: PortSend) -> None:
+        supervise.deliver_port(self, msg)  # routed as if a peer had sent it
+
+    def ask(self, op: MeshRequest, state: CallState) -> None:
+        """Run mesh request `op` for the client, now (requests.py); its answer settles `state`."""
+        requests.run(self, op, None, partial(state.deliver, 0))
 
     def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None:
         mesh = self.mesh(mesh_id)
@@ -100,7 +111,7 @@ class Controller:
     def wait_until(self, done: Callable[[], bool], deadline: float | None) -> None:
         self._poller.drive(done, deadline)
 
-    def mesh(self, mesh_id: int) -> Mesh:
+    def mesh(self, mesh_id: int) -> Job:
         try:
             return self.meshes[mesh_id]
         except KeyError:
@@ -109,16 +120,16 @@ class Controller:
             raise MeshError(f"proc mesh {mesh_id} does not exist in this controller (stopped, or from "
                             "another process)") from None
 
-    def check_frame(self, mesh: Mesh, frame: bytes, what: str) -> None:
+    def check_frame(self, mesh: Job, frame: bytes, what: str) -> None:
         """Raise TransportError, before anything is sent, when the workers of `mesh` would refuse `frame`."""
         if not codec.fits(frame, mesh.max_frame):
             raise codec.too_large(what, frame, mesh.max_frame)
 
-    def fan_out(self, mesh: Mesh, shape: Shape, frame: bytes, what: str = "a message") -> None:
+    def fan_out(self, mesh: Job, shape: Shape, frame: bytes, what: str = "a message") -> None:
         """Send one encoded frame to every rank of `shape`; a failed send marks the rank lost."""
         self.check_frame(mesh, frame, what)
         for r in shape.ranks():
-            self._send_rank(mesh, r, frame)
+            self.send_rank(mesh, r, frame)
 
     def send_each(self, mesh_id: int, frames: dict[int, bytes], call_id: int, state: CallState | None,
                   what: str = "the tensor program") -> None:
@@ -135,9 +146,9 @@ class Controller:
         if state is not None:
             mesh.pending[(CONTROLLER, call_id)] = state
         for r, frame in frames.items():
-            self._send_rank(mesh, r, frame)
+            self.send_rank(mesh, r, frame)
 
-    def _send_rank(self, mesh: Mesh, r: int, frame: bytes) -> None:
+    def send_rank(self, mesh: Job, r: int, frame: bytes) -> None:
         mesh.frames += 1
         conn = mesh.conns[r]
         if conn is None:  # the rank never connected: lost like one whose send fails
@@ -159,8 +170,8 @@ class Controller:
         return self._listeners[host]
 
     def spawn(self, name: str, shape: Shape, launcher: launch.Launcher, env: dict[str, str] | None,
-              bind: str | None = None) -> Mesh:
-        mesh = Mesh(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES), launcher.hosts)
+              bind: str | None = None) -> Job:
+        mesh = Job(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES), launcher.hosts)
         mesh.kill_signal = launcher.kill_signal
         bind, advertise = launch.addresses(launcher, bind)
         control = f"{advertise}:{self.listen(bind).rsplit(':', 1)[1]}"
@@ -193,7 +204,7 @@ class Controller:
                              f"worker stderr, last lines:\n{tail}")
         return mesh
 
-    def stop(self, mesh: Mesh, grace: float = 5.0) -> None:
+    def stop(self, mesh: Job, grace: float = 5.0) -> None:
         """Ask every worker to exit, wait for the job, and kill whatever is left of it."""
         if mesh.stopping:
             return
@@ -229,53 +240,11 @@ class Controller:
         for mesh in list(self.meshes.values()):
             for rank, deadline in list(mesh.lost.items()):
                 if now >= deadline:
-                    self._fail(mesh, rank, mesh.pids[rank], "lost its control connection (exit status unknown)")
+                    self.fail(mesh, rank, mesh.pids[rank], "lost its control connection (exit status unknown)")
                 else:
                     nxt = min(nxt, deadline - now)
-        nxt = min(nxt, self._watch.tick(now, self.meshes, self._fail), OUTPUT.tick(now))
-        if STORE.exporter is not None and now >= self._next_export:
-            self._export_telemetry()
-            self._next_export = now + EXPORT_EVERY_S
-        return nxt
-
-    def _export_telemetry(self) -> None:
-        """With an OpenTelemetry exporter on, fetch every mesh's events now and then (without waiting)."""
-        STORE.add(RECORDER.take(), "local")
-        for mesh in list(self.meshes.values()):
-            if mesh.live:
-                self.ship_telemetry(mesh)
-
-    def ship_telemetry(self, mesh: Mesh) -> TelemetrySink:
-        """Ask the workers of `mesh` for the events they recorded; the batches are stored as they arrive.
-        A rank that has not answered an earlier request yet (busy in a long call) is not asked again."""
-        asked = mesh.awaiting_telemetry()
-        sink = TelemetrySink(mesh.name, frozenset(r for r in mesh.shape.ranks() if r not in asked))
-        if sink.missing:
-            call_id = self.next_call_id()
-            mesh.pending[(CONTROLLER, call_id)] = sink
-            frame = codec.encode_frame([ShipTelemetry(call_id)])
-            for r in sink.missing:
-                self._send_rank(mesh, r, frame)
-        return sink
-
-    def sql(self, query: str, timeout: float, meshes: list[Mesh] | None = None, limits: Limits | None = None) -> Rows:
-        """Run read-only SQL over the telemetry of this process and of `meshes` (default: every mesh),
-        after fetching their workers' newest events for up to `timeout` s; `limits` end the query early."""
-        late = self.collect(list(self.meshes.values()) if meshes is None else meshes, timeout)
-        STORE.add(RECORDER.take(), "local")
-        return STORE.sql(query, late, limits)
-
-    def collect(self, meshes: list[Mesh], timeout: float) -> list[str]:
-        """Fetch the events the workers of `meshes` recorded, waiting up to `timeout` s in all. Returns the
-        ranks (`mesh[rank]`) that did not answer in time, such as a rank busy in a long call: their events
-        are stored whenever they do answer."""
-        asked = [(mesh, self.ship_telemetry(mesh)) for mesh in meshes if mesh.live]
-        self.wait_until(lambda: all(s.done for _, s in asked), deadline_of(timeout))
-        late = [f"{mesh.name}[{r}]" for mesh, _ in asked for r in sorted(mesh.awaiting_telemetry())]
-        if late:
-            log.warning("monarch: %s did not send telemetry within %s s (busy in a long call?); the query runs "
-                        "without their newest events", ", ".join(late), timeout)
-        return late
+        self.telemetry.tick(now)
+        return min(nxt, self._watch.tick(now, self.meshes, self.fail), OUTPUT.tick(now))
 
     def _accept(self, listener: socket.socket) -> None:
         try:
@@ -294,7 +263,7 @@ class Controller:
             self._poller.unwatch(conn.sock.fileno())
             conn.sock.close()
 
-    def _output(self, mesh: Mesh, pipe: Any, stream: Any) -> None:
+    def _output(self, mesh: Job, pipe: Any, stream: Any) -> None:
         data, name = pipe.read1(65536), "stderr" if stream is sys.stderr else "stdout"
         if not data:
             self._poller.unwatch(pipe.fileno())
@@ -309,7 +278,7 @@ class Controller:
             STORE.add(output_lines(mesh.shape, name, text), mesh.name)
         OUTPUT.write(mesh.id, name, banner_free(text))  # to this console as logging_option says (telemetry/logs.py)
 
-    def _job_exited(self, mesh: Mesh) -> None:
+    def _job_exited(self, mesh: Job) -> None:
         assert mesh.proc is not None
         try:
             code = mesh.proc.wait(timeout=1.0)
@@ -317,7 +286,7 @@ class Controller:
             return
         if mesh.live:
             rank, why = mesh.blamed() or (LAUNCHER, describe_exit(code))
-            self._fail(mesh, rank, mesh.pids[rank] if rank >= 0 else mesh.proc.pid, why)
+            self.fail(mesh, rank, mesh.pids[rank] if rank >= 0 else mesh.proc.pid, why)
 
     # -- messages from authenticated peers -------------------------------------------------------
     def authenticate(self, conn: Conn, header: codec.Header | None) -> bool:
@@ -345,69 +314,17 @@ class Controller:
             return
         handler(self, conn, msg)
 
-    def _reply(self, conn: Conn, msg: Reply) -> None:
-        assert conn.mesh is not None
-        conn.mesh.deliver(msg)
-
-    def _events(self, conn: Conn, msg: Events) -> None:
-        assert conn.mesh is not None
-        STORE.add(msg, conn.mesh.name)
-
-    def _hello(self, conn: Conn, msg: Hello) -> None:
-        mesh, header = conn.mesh, conn.header
-        assert mesh is not None and header is not None
-        mesh.pids[header.rank], mesh.monitors[header.rank] = msg.pid, msg.monitor
-        mesh.hosts[header.rank] = msg.host
-        RECORDER.add("procs", (header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
-        if mesh.heartbeat > 0:
-            with suppress(OSError):  # the peer is gone: its reader sees the EOF
-                conn.send(codec.encode_frame([Heartbeat(heartbeat.interval(mesh.heartbeat))]))
-        if all(c is not None for c in mesh.conns) and all(mesh.pids):
-            mesh.settled.set()
-
-    def _busy(self, conn: Conn, msg: Busy) -> None:
-        conn.excused_until = time.monotonic() + msg.seconds
-
-    def _proc_exit(self, conn: Conn, msg: ProcExit) -> None:
-        mesh = conn.mesh
-        assert mesh is not None
-        mesh.stderr_tail.extend(msg.stderr_tail.splitlines())
-        self._fail(mesh, msg.rank, msg.pid, describe_status(msg.wait_status, msg.stderr_tail))
-
-    def _forward(self, source: Conn, msg: Forward) -> None:
-        assert source.mesh is not None and source.header is not None
-        call = replace(msg.call, reply_to=source.addr, sender=f"{source.mesh.name}[{source.header.rank}]")
-        target = self.meshes.get(msg.mesh_id)
-        sink = ForwardSink(source, call, msg.shape)
-        if target is None or not target.live:
-            if call.want_reply:
-                sink.fail_missing(target.failure if target and target.failure else
-                                  SupervisionError(f"mesh {msg.mesh_id} is stopped"))
-            return
-        frame = codec.encode_frame([call])
-        try:
-            self.check_frame(target, frame, f"a call of {call.actor}.{call.endpoint} from {call.sender}")
-        except TransportError as e:
-            if call.want_reply:
-                sink.fail_missing(e)
-            else:
-                log.warning("monarch controller: dropped a broadcast: %s", e)
-            return
-        if call.want_reply:
-            target.pending[(source.addr, call.call_id)] = sink
-        self.fan_out(target, msg.shape, frame)
-
     def peer_closed(self, conn: Conn) -> None:
         self.close(conn)
         mesh, header = conn.mesh, conn.header
         if mesh is not None and header is not None and header.role == codec.ROLE_WORKER:
             self._conn_lost(mesh, header.rank)
 
-    def _conn_lost(self, mesh: Mesh, rank: int) -> None:
+    def _conn_lost(self, mesh: Job, rank: int) -> None:
         if mesh.live and rank not in mesh.lost:
             mesh.lost[rank] = time.monotonic() + config.death_grace()
 
-    def _fail(self, mesh: Mesh, rank: int, pid: int, status: str) -> None:
+    def fail(self, mesh: Job, rank: int, pid: int, status: str) -> None:
         """Fail every pending and later call on `mesh`, tell supervisors, tear the job down."""
         mesh.lost.clear()
         if not mesh.live:
@@ -424,17 +341,69 @@ class Controller:
         log.warning("monarch: %s", failure.message())
         if mesh.proc is not None:
             launch.kill_group(mesh.proc, mesh.kill_signal)
-        for route in SUPERVISE:  # to the mesh's owner (monarch/runtime/actors/supervision.py)
-            route(self, failure, mesh.owner)
+        supervise.route(self, failure, mesh.owner)  # to the mesh's owner
 
 
-HANDLERS: dict[type, Callable[[Controller, Conn, Any], None]] = {  # by the type of a message from a peer
-    Reply: Controller._reply, Forward: Controller._forward, Events: Controller._events, Hello: Controller._hello,
-    ProcExit: Controller._proc_exit, Busy: Controller._busy}
-HANDLERS.update(requests.HANDLERS)  # an actor spawns or stops meshes (actors/requests.py)
-HANDLERS.update(breakpoints.HANDLERS)  # a rank paused in pdb, and resumed
+# -- messages from authenticated peers, by type ---------------------------------------------------
+def _reply(_ctl: Controller, conn: Conn, msg: Reply) -> None:
+    assert conn.mesh is not None
+    conn.mesh.deliver(msg)
 
-SUPERVISE: list[Callable[[Controller, MeshFailure, Any], None]] = []  # registered by the actor layer
+
+def _hello(_ctl: Controller, conn: Conn, msg: Hello) -> None:
+    mesh, header = conn.mesh, conn.header
+    assert mesh is not None and header is not None
+    mesh.pids[header.rank], mesh.monitors[header.rank] = msg.pid, msg.monitor
+    mesh.hosts[header.rank] = msg.host
+    RECORDER.add("procs", (header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
+    if mesh.heartbeat > 0:
+        with suppress(OSError):  # the peer is gone: its reader sees the EOF
+            conn.send(codec.encode_frame([Heartbeat(heartbeat.interval(mesh.heartbeat))]))
+    if all(c is not None for c in mesh.conns) and all(mesh.pids):
+        mesh.settled.set()
+
+
+def _busy(_ctl: Controller, conn: Conn, msg: Busy) -> None:
+    conn.excused_until = time.monotonic() + msg.seconds
+
+
+def _proc_exit(ctl: Controller, conn: Conn, msg: ProcExit) -> None:
+    mesh = conn.mesh
+    assert mesh is not None
+    mesh.stderr_tail.extend(msg.stderr_tail.splitlines())
+    ctl.fail(mesh, msg.rank, msg.pid, describe_status(msg.wait_status, msg.stderr_tail))
+
+
+def _forward(ctl: Controller, source: Conn, msg: Forward) -> None:
+    """An actor's call of another actor mesh: sent on to its workers, their replies back to `source`."""
+    assert source.mesh is not None and source.header is not None
+    call = replace(msg.call, reply_to=source.addr, sender=f"{source.mesh.name}[{source.header.rank}]")
+    target = ctl.meshes.get(msg.mesh_id)
+    sink = ForwardSink(source, call, msg.shape)
+    if target is None or not target.live:
+        if call.want_reply:
+            sink.fail_missing(target.failure if target and target.failure else
+                              SupervisionError(f"mesh {msg.mesh_id} is stopped"))
+        return
+    frame = codec.encode_frame([call])
+    try:
+        ctl.check_frame(target, frame, f"a call of {call.actor}.{call.endpoint} from {call.sender}")
+    except TransportError as e:
+        if call.want_reply:
+            sink.fail_missing(e)
+        else:
+            log.warning("monarch controller: dropped a broadcast: %s", e)
+        return
+    if call.want_reply:
+        target.pending[(source.addr, call.call_id)] = sink
+    ctl.fan_out(target, msg.shape, frame)
+
+
+HANDLERS: dict[type, Callable[[Controller, Conn, Any], None]] = {  # every message a peer may send, by type
+    Reply: _reply, Forward: _forward, Hello: _hello, Busy: _busy, ProcExit: _proc_exit, Events: on_events,
+    SpawnProcs: requests.serve, SpawnActors: requests.serve, StopProcs: requests.serve,
+    GetController: requests.serve, DebugPaused: on_paused, DebugResumed: on_resumed,
+    ActorFault: supervise.on_fault, Escalate: supervise.on_escalate, PortSend: supervise.on_port}
 
 _controller: Controller | None = None
 _controller_lock = threading.Lock()

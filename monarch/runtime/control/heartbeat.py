@@ -19,10 +19,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import Forward, Reply
+
+if TYPE_CHECKING:
+    from monarch.runtime.control.conn import Job
 
 BEAT = codec.encode_frame([])  # a frame of no messages: the controller only notes that bytes came
 CHECK_S = 0.1  # how often the controller looks for silent workers while a mesh has heartbeats on
@@ -139,7 +142,7 @@ class Sender:
             self._sent = False
 
 
-Fail = Callable[[Any, int, int, str], None]  # (mesh, rank, pid, status): Controller._fail
+Fail = Callable[["Job", int, int, str], None]  # (job, rank, pid, status): Controller.fail
 
 
 class Watch:
@@ -155,7 +158,7 @@ class Watch:
         self._resumed = self._next = 0.0
         self._watching = False
 
-    def tick(self, now: float, meshes: dict[int, Any], fail: Fail) -> float:
+    def tick(self, now: float, meshes: dict[int, Job], fail: Fail) -> float:
         """Fail the silent workers of `meshes` when a check is due; seconds until the next one."""
         if now < self._next:
             return self._next - now
@@ -168,7 +171,7 @@ class Watch:
         self._next = now + (CHECK_S if watched else IDLE_S)
         return self._next - now
 
-    def _check(self, mesh: Any, now: float, fail: Fail) -> None:
+    def _check(self, mesh: Job, now: float, fail: Fail) -> None:
         for rank, conn in enumerate(mesh.conns):
             if conn is None or not mesh.pids[rank] or rank in mesh.lost:
                 continue  # not said hello yet (spawn's own timeout applies), or already lost

@@ -1,11 +1,13 @@
-"""Mesh requests on the controller: start a proc mesh, spawn actors, stop a proc mesh, for whoever asks.
+"""Mesh requests on the controller: start a proc mesh, spawn actors, stop a proc mesh, get a singleton.
 
-ProcMesh and HostMesh make them with proc_mesh.ask: on the controller they run at once; an actor asks
-from its worker (Worker.ask), and the controller runs the request for it and answers with a Reply. Starting
-or stopping a job blocks, so those run on a thread of their own; spawning actors runs in order with the
-asking actor's later calls. Each proc mesh and actor mesh records its `Owner` (the asking actor's mesh id,
-name and rank) on the controller's Mesh record: `Mesh.owner`, `Mesh.actors[name]`. Launchers other than
-this host's are kept here under a key, so that a pickled HostMesh names its own.
+ProcMesh and HostMesh (runtime/actors) make them with `Client.ask`: the Controller runs them at once; an
+actor asks from its worker (Worker.ask), and the controller runs the request for it (`serve`, in its
+handler table, controller.py) and answers with a Reply. Starting or stopping a job blocks, so those run on
+a thread of their own; spawning actors runs in order with the asking actor's later calls. Each proc mesh
+and actor mesh records its `Owner` (the asking actor's mesh id, name and rank) on the controller's Job
+record: `Job.owner`, `Job.actors[name]`. Launchers other than this host's are kept here under a key, so
+that a pickled HostMesh names its own. A singleton actor (GetController) runs alone on a one-process mesh
+of this host, spawned once per name; the client owns it.
 """
 from __future__ import annotations
 
@@ -13,18 +15,25 @@ import itertools
 import threading
 from collections.abc import Callable
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from monarch.errors import MeshError, SupervisionError
 from monarch.runtime.control import codec, launch
-from monarch.runtime.control.commands import Owner, ProcsInfo, Reply, SpawnActors, SpawnProcs, StopProcs
-from monarch.runtime.control.conn import Conn, Mesh
+from monarch.runtime.control.commands import (GetController, MeshRequest, Owner, ProcsInfo, Reply, SpawnActor,
+                                              SpawnActors, SpawnProcs, StopProcs)
+from monarch.runtime.control.conn import Conn, Job
 from monarch.runtime.telemetry.events import RECORDER, now_us
+from monarch.shape import Shape
+
+if TYPE_CHECKING:
+    from monarch.runtime.control.controller import Controller
 
 LOCAL = 0  # the launcher key of this host (`this_host()`, in any process)
 _launchers: dict[int, launch.Launcher] = {}
 _keys = itertools.count(LOCAL + 1)
 _unnamed = itertools.count()  # proc meshes spawned without a name: procs, procs_1, procs_2, ...
+_singletons: dict[str, int] = {}  # singleton actor mesh name -> the id of the proc mesh it runs on
+_singletons_lock = threading.Lock()
 Answer = Callable[[bool, Any], None]
 
 
@@ -47,11 +56,11 @@ def launcher_of(key: int) -> launch.Launcher:
                         "another controller process?); pass the actor a HostMesh of this controller") from None
 
 
-def info_of(mesh: Mesh) -> ProcsInfo:
+def info_of(mesh: Job) -> ProcsInfo:
     return ProcsInfo(mesh.id, mesh.name, mesh.shape, tuple(mesh.hosts), tuple(mesh.pids))
 
 
-def serve(ctl: Any, source: Conn, op: Any) -> None:
+def serve(ctl: Controller, source: Conn, op: MeshRequest) -> None:
     """Run a request from an actor on a worker of `source`; that actor owns what it makes."""
     assert source.mesh is not None and source.header is not None
     owner = Owner(source.mesh.id, op.actor, source.header.rank)
@@ -67,7 +76,7 @@ def serve(ctl: Any, source: Conn, op: Any) -> None:
         threading.Thread(target=run, args=(ctl, op, owner, answer), name="monarch-request", daemon=True).start()
 
 
-def run(ctl: Any, op: Any, owner: Owner | None, answer: Answer) -> None:
+def run(ctl: Controller, op: MeshRequest, owner: Owner | None, answer: Answer) -> None:
     """Run `op` for `owner` (None: the client); `answer(ok, value or exception)`."""
     try:
         value = RUN[type(op)](ctl, op, owner)
@@ -77,7 +86,7 @@ def run(ctl: Any, op: Any, owner: Owner | None, answer: Answer) -> None:
     answer(True, value)
 
 
-def _spawn_procs(ctl: Any, op: SpawnProcs, owner: Owner | None) -> ProcsInfo:
+def _spawn_procs(ctl: Controller, op: SpawnProcs, owner: Owner | None) -> ProcsInfo:
     n = next(_unnamed) if not op.name else 0
     name = op.name or ("procs" if n == 0 else f"procs_{n}")
     mesh = ctl.spawn(name, op.shape, launcher_of(op.launcher), dict(op.env) if op.env is not None else None,
@@ -86,8 +95,8 @@ def _spawn_procs(ctl: Any, op: SpawnProcs, owner: Owner | None) -> ProcsInfo:
     return info_of(mesh)
 
 
-def _spawn_actors(ctl: Any, op: SpawnActors, owner: Owner | None) -> None:
-    mesh: Mesh = ctl.mesh(op.mesh_id)  # a stopped or failed mesh raises why
+def _spawn_actors(ctl: Controller, op: SpawnActors, owner: Owner | None) -> None:
+    mesh = ctl.mesh(op.mesh_id)  # a stopped or failed mesh raises why
     name = op.spawn.name
     if name in mesh.actors:
         raise MeshError(f"proc mesh {mesh.name!r} already has actors named {name!r}; pick another name")
@@ -101,19 +110,34 @@ def _spawn_actors(ctl: Any, op: SpawnActors, owner: Owner | None) -> None:
         RECORDER.add("actors", (r, mesh.name, name, op.cls_name, now))
 
 
-def _stop_procs(ctl: Any, op: StopProcs, owner: Owner | None) -> None:
+def _stop_procs(ctl: Controller, op: StopProcs, owner: Owner | None) -> None:
     mesh = ctl.meshes.get(op.mesh_id)
     if mesh is not None:  # else stopped already: stopping is idempotent
         stop_tree(ctl, mesh)
 
 
-def stop_tree(ctl: Any, mesh: Mesh) -> None:
+def stop_tree(ctl: Controller, mesh: Job) -> None:
     """Stop the proc meshes that actors of `mesh` spawned (theirs first), then `mesh`."""
     for child in [m for m in list(ctl.meshes.values()) if m.owner is not None and m.owner.mesh_id == mesh.id]:
         stop_tree(ctl, child)
     ctl.stop(mesh)
 
 
-RUN: dict[type, Callable[[Any, Any, Owner | None], Any]] = {
-    SpawnProcs: _spawn_procs, SpawnActors: _spawn_actors, StopProcs: _stop_procs}
-HANDLERS: dict[type, Callable[[Any, Conn, Any], None]] = {kind: serve for kind in RUN}  # the controller's
+def _get_controller(ctl: Controller, op: GetController, owner: Owner | None) -> ProcsInfo:
+    """The one-process mesh that runs singleton actor mesh `op.name`: the running one, or a new one with
+    the actors spawned on it (the client owns both, whoever asked)."""
+    with _singletons_lock:
+        mesh = ctl.meshes.get(_singletons.get(op.name, 0))
+        if mesh is not None and mesh.live:
+            return info_of(mesh)
+        one = Shape.row_major(("procs",), (1,))
+        info = _spawn_procs(ctl, SpawnProcs(f"controller_{op.name}", one, LOCAL), None)
+        context = codec.loads(op.context)(info) if op.context else b""
+        _spawn_actors(ctl, SpawnActors(info.mesh_id, SpawnActor(op.name, op.cls, op.args, one, context),
+                                       op.cls_name), None)
+        _singletons[op.name] = info.mesh_id
+        return info
+
+
+RUN: dict[type, Callable[[Controller, Any, Owner | None], Any]] = {
+    SpawnProcs: _spawn_procs, SpawnActors: _spawn_actors, StopProcs: _stop_procs, GetController: _get_controller}

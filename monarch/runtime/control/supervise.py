@@ -1,4 +1,5 @@
-"""Supervision and port routing on the client (the controller's side of them), registered into its handlers.
+"""Supervision and port routing on the client: the controller's side of them (its handler table, controller.py,
+names `on_fault`, `on_escalate` and `on_port`; a failed job is routed from Controller.fail).
 
 A supervision event (an actor that failed and stopped, a worker process that died) goes to the owner of
 what failed: the actor that spawned it gets `__supervise__(failure)` on its rank (a truthy result handles
@@ -25,13 +26,16 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from monarch.errors import SupervisionError
 from monarch.runtime.control import codec
-from monarch.runtime.control import controller as ctl_module
 from monarch.runtime.control.commands import ActorFault, Escalate, MeshFailure, Owner, PortSend, Reply, Supervise
+from monarch.runtime.control.conn import Conn, Job
 from monarch.runtime.telemetry.events import RECORDER, now_us
+
+if TYPE_CHECKING:
+    from monarch.runtime.control.controller import Controller
 
 log = logging.getLogger("monarch")
 _told: set[tuple[str, str, int, Owner | None]] = set()
@@ -55,7 +59,7 @@ class Fault:
     failure: MeshFailure
     code: int
     error: SupervisionError
-    mesh: Any  # the controller's record of the failed proc mesh, if it still has one
+    mesh: Job | None  # the controller's record of the failed proc mesh, if it still has one
     settled: threading.Event = field(default_factory=threading.Event)
 
     def delivered(self) -> bool:
@@ -73,7 +77,7 @@ _faults: dict[tuple[str, str], Fault] = {}  # (proc mesh name, actor mesh name o
 _lock = threading.Lock()
 
 
-def route(ctl: Any, failure: MeshFailure, owner: Owner | None) -> None:
+def route(ctl: Controller, failure: MeshFailure, owner: Owner | None) -> None:
     """Give `failure` to `owner` (an actor), or to the root's hook when the client owns what failed."""
     key = (failure.mesh, failure.actor, failure.rank, owner)
     if key in _told:
@@ -87,7 +91,7 @@ def route(ctl: Any, failure: MeshFailure, owner: Owner | None) -> None:
                   "a supervision event")
 
 
-def _run_hook(ctl: Any, failure: MeshFailure) -> None:
+def _run_hook(ctl: Controller, failure: MeshFailure) -> None:
     hook = getattr(sys.modules.get("monarch.actor"), "unhandled_fault_hook", unhandled_fault_hook)
     try:
         hook(failure)
@@ -100,7 +104,7 @@ def _run_hook(ctl: Any, failure: MeshFailure) -> None:
         log.warning("monarch: unhandled supervision event dropped by unhandled_fault_hook: %s", failure.message())
 
 
-def _unhandled(ctl: Any, failure: MeshFailure, code: int) -> None:
+def _unhandled(ctl: Controller, failure: MeshFailure, code: int) -> None:
     """Fail the calls waiting on the failed rank with the fault's SupervisionError (and the next call of a
     failed actor mesh), then knock until the fault is delivered or ends the client. Later ranks of an actor
     mesh share its fault."""
@@ -120,7 +124,7 @@ def _unhandled(ctl: Any, failure: MeshFailure, code: int) -> None:
         _knock(fault)
 
 
-def _error(failure: MeshFailure, mesh: Any) -> SupervisionError:
+def _error(failure: MeshFailure, mesh: Job | None) -> SupervisionError:
     """What the program gets for `failure`: the mesh's own error when its process died, else the report."""
     if mesh is not None and mesh.failure is not None and not failure.actor:
         return mesh.failure
@@ -195,22 +199,30 @@ if threading.current_thread() is threading.main_thread():
 
 
 # -- the controller's handlers ---------------------------------------------------------------------
-def _fault(ctl: Any, conn: Any, msg: ActorFault) -> None:
-    mesh, rank = conn.mesh, conn.header.rank
+def on_fault(ctl: Controller, conn: Conn, msg: ActorFault) -> None:
+    """An actor stopped on the rank of `conn`: its owner hears of it."""
+    mesh, header = conn.mesh, conn.header
+    assert mesh is not None and header is not None
+    rank = header.rank
     failure = MeshFailure(mesh.name, rank, mesh.coords(rank), mesh.pids[rank], msg.status, mesh.host_of(rank),
                           msg.actor, msg.detail)
     RECORDER.add("failures", (rank, mesh.name, "actor", f"{msg.actor} on rank {rank}", msg.status, now_us()))
     route(ctl, failure, mesh.actors.get(msg.actor))
 
 
-def _escalate(ctl: Any, conn: Any, msg: Escalate) -> None:
+def on_escalate(ctl: Controller, conn: Conn, msg: Escalate) -> None:
     """Actor `msg.actor` did not handle the failure: its own owner hears of it."""
+    assert conn.mesh is not None
     route(ctl, msg.failure, conn.mesh.actors.get(msg.actor))
 
 
-def _port(ctl: Any, conn: Any, msg: PortSend) -> None:
-    """A port's message: into the caller's pending call (a reply port), a receiver here, or the worker
-    holding the receiver."""
+def on_port(ctl: Controller, conn: Conn, msg: PortSend) -> None:
+    deliver_port(ctl, msg)
+
+
+def deliver_port(ctl: Controller, msg: PortSend) -> None:
+    """A port's message (from a worker, or sent here): into the caller's pending call (a reply port), a
+    receiver here, or the worker holding the receiver."""
     ref = msg.ref
     if ref.reply is not None:
         mesh_id, reply_to, call_id, rank = ref.reply
@@ -225,7 +237,3 @@ def _port(ctl: Any, conn: Any, msg: PortSend) -> None:
         mesh = ctl.meshes.get(ref.owner[0])
         if mesh is not None and mesh.live:
             ctl.send_each(mesh.id, {ref.owner[1]: codec.encode_frame([msg])}, 0, None, "a port's message")
-
-
-ctl_module.HANDLERS.update({ActorFault: _fault, Escalate: _escalate, PortSend: _port})
-ctl_module.SUPERVISE[:] = [route]

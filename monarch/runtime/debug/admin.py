@@ -1,17 +1,17 @@
 """The controller's admin endpoint: other local processes (`monarch query`, `monarch top`) run SQL here.
 
-A thread of the controller listens on loopback and announces its port and a random token in a file
-only this user can read (`monarch-<uid>/controller-<pid>.json` in the user's runtime directory, else the
-temp dir; the directory must be this user's alone, and the file is created anew, never through a link). A
-client sends the token first (compared in constant time before anything else is read), then one
-JSON request `{"sql": ..., "timeout": s}`; the answer is JSON `{"columns": [...], "rows": [...], "late": [...]}`
-(late: the ranks that did not send their events within WAIT_S) or `{"error": ...}`. The query runs for at most
-`timeout` s (and never past MONARCH_QUERY_TIMEOUT), and is cancelled when the client hangs up. A request
-`{"debug": true}` opens a `monarch_dbg>` console instead (debug_console.py): `{"line": ...}` requests, each
-answered `{"output", "prompt", "done"}`, until quit or the client hangs up. Tokens are read by one event
-loop (gate.py: TOKEN_DEADLINE_S each, capped per peer); only an authenticated connection gets a thread,
-at most MAX_CONNECTIONS at once (the next is answered busy). Nothing a client sends is unpickled; the SQL
-is read-only (store.py).
+The controller (control/controller.py) starts it when MONARCH_ADMIN is set: a thread listens on loopback
+and announces its port and a random token in a file only this user can read (`monarch-<uid>/controller-
+<pid>.json` in the user's runtime directory, else the temp dir; the directory must be this user's alone,
+and the file is created anew, never through a link). A client sends the token first (compared in constant
+time before anything else is read), then one JSON request `{"sql": ..., "timeout": s}`; the answer is JSON
+`{"columns": [...], "rows": [...], "late": [...]}` (late: the ranks that did not send their events within
+WAIT_S) or `{"error": ...}`. The query runs for at most `timeout` s (and never past MONARCH_QUERY_TIMEOUT),
+and is cancelled when the client hangs up. A request `{"debug": true}` opens a `monarch_dbg>` console
+instead (console.py): `{"line": ...}` requests, each answered `{"output", "prompt", "done"}`, until quit or
+the client hangs up. Tokens are read by one event loop (telemetry/gate.py: TOKEN_DEADLINE_S each, capped per
+peer); only an authenticated connection gets a thread, at most MAX_CONNECTIONS at once (the next is answered
+busy). Nothing a client sends is unpickled; the SQL is read-only (telemetry/store.py).
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ class AdminServer:
 
     def _debug(self, conn: socket.socket) -> None:
         """A console over the ranks paused in pdb: lines until quit (no deadline: a person types them)."""
-        from monarch.runtime.telemetry.debug_console import BANNER, DebugConsole
+        from monarch.runtime.debug.console import BANNER, DebugConsole
         console = DebugConsole()
         conn.settimeout(None)
         send_json(conn, {"output": BANNER, "prompt": console.prompt, "done": False})

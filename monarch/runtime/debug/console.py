@@ -1,4 +1,5 @@
-"""The `monarch_dbg>` console over the paused ranks, with Monarch's commands; and `debug_controller()`.
+"""The `monarch_dbg>` console over the paused ranks (the controller's record of them: control/breakpoints.py),
+with Monarch's commands; and `debug_controller()`.
 
 `monarch debug` (another terminal) runs a DebugConsole in the controller through its admin socket (admin.py);
 `debug_controller()` drives one from the controller's own process (tests, notebooks). Commands: list, attach
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from monarch.errors import MonarchError
+from monarch.runtime.control.breakpoints import BREAKPOINTS, Breakpoints, PausedRank
 from monarch.runtime.control.futures import CallState, Future, one_result
-from monarch.runtime.telemetry.breakpoints import BREAKPOINTS, Breakpoints, PausedRank
 from monarch.shape import Shape
 
 PROMPT = "monarch_dbg> "

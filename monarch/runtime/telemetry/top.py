@@ -1,14 +1,15 @@
 """`monarch top`: a live terminal view of a running controller, drawn from its telemetry tables.
 
-The view is three rich renderables, each built from one SQL query over the admin endpoint (see
-runtime/telemetry/admin.py): the mesh tree (hosts -> procs -> actors, with status), activity per rank (message
-rate, busy time, memory) and the latest failures. `--once` prints them; otherwise `Top`, a textual
-app, redraws them every `interval` seconds above a SQL prompt (Enter runs the query, Up/Down walk the
-history, Ctrl+Q quits). Queries run on worker threads, so a slow controller never freezes the screen.
+The view is three rich renderables, each built from one SQL query that a `Query` runs on the controller
+(`monarch top` passes the admin endpoint's client, runtime/debug/admin.py): the mesh tree (hosts -> procs ->
+actors, with status), activity per rank (message rate, busy time, memory) and the latest failures. `--once`
+prints them; otherwise `Top`, a textual app, redraws them every `interval` seconds above a SQL prompt (Enter
+runs the query, Up/Down walk the history, Ctrl+Q quits). Queries run on worker threads, so a slow controller
+never freezes the screen.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from rich.console import Group, RenderableType
 from rich.panel import Panel
@@ -19,10 +20,15 @@ from textual.app import App, ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Footer, Header, Input, Static
 
-from monarch.runtime.telemetry.admin import query
-
 WINDOW_US = 5_000_000  # message rates and busy time over the last 5 s of recorded calls
 TIMEOUT_S = 10.0       # a query that takes longer is cancelled and reported, and the view tries again later
+
+
+class Query(Protocol):
+    """Runs `sql` on a controller for up to `timeout` s: its JSON answer ({"columns", "rows", "late"} or
+    {"error"})."""
+
+    def __call__(self, sql: str, *, timeout: float) -> dict[str, Any]: ...
 
 
 class Answer(NamedTuple):
@@ -31,10 +37,10 @@ class Answer(NamedTuple):
     late: list[str]  # ranks whose newest events were not in yet (busy in a long call)
 
 
-def run(sql: str, pid: int | None, timeout: float = TIMEOUT_S) -> Answer:
+def run(query: Query, sql: str, timeout: float = TIMEOUT_S) -> Answer:
     """The answer to `sql` from the controller, which runs it for up to `timeout` s; RuntimeError with the
     database's message (QueryTimeout when it ran out of time)."""
-    answer = query(sql, pid, timeout=timeout)
+    answer = query(sql, timeout=timeout)
     if "error" in answer:
         raise RuntimeError(answer["error"])
     return Answer(answer["columns"], answer["rows"], answer.get("late", []))
@@ -49,12 +55,12 @@ def table(columns: list[str], rows: list[list[Any]], title: str = "") -> Table:
     return t
 
 
-def mesh_tree(pid: int | None) -> Tree:
+def mesh_tree(query: Query) -> Tree:
     """Hosts -> procs (mesh, rank, pid, latest event) -> the actors on each proc."""
-    procs = run("SELECT arg_max(host, time_us) FILTER (WHERE host <> ''), mesh, rank, arg_max(pid, time_us), "
+    procs = run(query, "SELECT arg_max(host, time_us) FILTER (WHERE host <> ''), mesh, rank, arg_max(pid, time_us), "
                 "arg_max(event, time_us), arg_max(detail, time_us) FROM procs GROUP BY mesh, rank "
-                "ORDER BY mesh, rank", pid).rows
-    actors = run("SELECT mesh, rank, string_agg(DISTINCT actor, ', ') FROM actors GROUP BY mesh, rank", pid).rows
+                "ORDER BY mesh, rank").rows
+    actors = run(query, "SELECT mesh, rank, string_agg(DISTINCT actor, ', ') FROM actors GROUP BY mesh, rank").rows
     on = {(m, r): a for m, r, a in actors}
     root = Tree("controller")
     hosts: dict[str, Tree] = {}
@@ -69,8 +75,8 @@ def mesh_tree(pid: int | None) -> Tree:
     return root
 
 
-def activity(pid: int | None) -> Table:
-    answer = run(f"""
+def activity(query: Query) -> Table:
+    answer = run(query, f"""
         WITH since AS (SELECT max(end_us) - {WINDOW_US} AS t0 FROM messages),
              calls AS (SELECT mesh, rank, count(*) * 1e6 / {WINDOW_US} AS msgs_per_s,
                               round(100.0 * sum(end_us - greatest(start_us, t0)) / {WINDOW_US}, 1) AS busy_pct
@@ -81,20 +87,19 @@ def activity(pid: int | None) -> Table:
                tensor_mb
         FROM (SELECT DISTINCT mesh, rank FROM procs WHERE rank >= 0) p
              LEFT JOIN calls ON calls.mesh = p.mesh AND calls.rank = p.rank
-             LEFT JOIN mem ON mem.mesh = p.mesh AND mem.rank = p.rank ORDER BY p.mesh, p.rank""",
-                 pid)
+             LEFT JOIN mem ON mem.mesh = p.mesh AND mem.rank = p.rank ORDER BY p.mesh, p.rank""")
     late = f"; not answering now: {', '.join(answer.late)}" if answer.late else ""
     return table(answer.columns, answer.rows, f"activity per rank (last 5 s of calls; latest memory sample{late})")
 
 
-def failures(pid: int | None) -> Table:
-    answer = run("SELECT mesh, rank, kind, what, detail FROM failures ORDER BY time_us DESC LIMIT 5", pid)
+def failures(query: Query) -> Table:
+    answer = run(query, "SELECT mesh, rank, kind, what, detail FROM failures ORDER BY time_us DESC LIMIT 5")
     return table(answer.columns, answer.rows, "latest failures")
 
 
-def screen(pid: int | None) -> RenderableType:
+def screen(query: Query) -> RenderableType:
     """The mesh tree, activity and failures (what `--once` prints)."""
-    return Group(Panel(mesh_tree(pid), title="mesh"), activity(pid), failures(pid))
+    return Group(Panel(mesh_tree(query), title="mesh"), activity(query), failures(query))
 
 
 class SqlPrompt(Input):
@@ -126,15 +131,16 @@ class SqlPrompt(Input):
 
 
 class Top(App[None]):
-    """The live view: the three views, redrawn every `interval` s; a SQL prompt and its last result."""
+    """The live view of the controller that `query` asks (`title` names it): the three views, redrawn every
+    `interval` s; a SQL prompt and its last result."""
 
     TITLE = "monarch top"
     BINDINGS = [("ctrl+q", "quit", "quit")]
     CSS = "#views, #result { height: auto; } #body { height: 1fr; } #sql { dock: bottom; }"
 
-    def __init__(self, pid: int | None, interval: float = 1.0) -> None:
+    def __init__(self, query: Query, title: str, interval: float = 1.0) -> None:
         super().__init__()
-        self.pid, self.interval = pid, interval
+        self.ask_sql, self.controller_title, self.interval = query, title, interval
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -145,7 +151,7 @@ class Top(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = f"controller {self.pid}" if self.pid else "newest controller"
+        self.sub_title = self.controller_title
         self.redraw()
         self.set_interval(self.interval, self.redraw)
         self.query_one(SqlPrompt).focus()
@@ -153,7 +159,7 @@ class Top(App[None]):
     @work(thread=True, exclusive=True, group="views")
     def redraw(self) -> None:
         try:
-            shown = screen(self.pid)
+            shown = screen(self.ask_sql)
         except (RuntimeError, OSError) as e:
             shown = f"[red]the controller does not answer: {e}[/]"
         self.call_from_thread(self.query_one("#views", Static).update, shown)
@@ -168,7 +174,7 @@ class Top(App[None]):
     @work(thread=True, exclusive=True, group="sql")
     def answer(self, sql: str) -> None:
         try:
-            answer = run(sql, self.pid)
+            answer = run(self.ask_sql, sql)
             shown: RenderableType = Panel(table(answer.columns, answer.rows), title=sql)
         except (RuntimeError, OSError) as e:
             shown = Panel(f"[red]{e}[/]", title=sql)

@@ -146,11 +146,14 @@ class UsesRegistry(Actor):
 @pytest.fixture
 def singletons() -> Iterator[None]:
     """Controllers live as long as the client; the test stops the ones it made."""
-    from monarch.runtime.actors import controllers
+    from monarch.runtime.control import requests
+    from monarch.runtime.control.controller import controller
     yield
-    for procs, _ in list(controllers._spawned.values()):
-        procs.stop()
-    controllers._spawned.clear()
+    for mesh_id in list(requests._singletons.values()):
+        ctl = controller()
+        if mesh_id in ctl.meshes:
+            ctl.stop(ctl.meshes[mesh_id])
+    requests._singletons.clear()
 
 
 @pytest.mark.usefixtures("singletons")

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import monarch
 from monarch.actor import Actor, ProcMesh, endpoint
-from monarch.runtime.telemetry import admin
+from monarch.runtime.debug import admin
 from monarch.runtime.telemetry.events import Events
 from monarch.runtime.telemetry.store import QueryRefused, Store
 

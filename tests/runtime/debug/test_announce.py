@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch.runtime.telemetry import admin
+from monarch.runtime.debug import admin
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another local user")
 NOBODY = 65534

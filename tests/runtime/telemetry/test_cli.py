@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from processes import run_script
 from rich.console import Console
 from textual.widgets import Static
 
-from monarch.runtime.telemetry.admin import TOKEN_BYTES, announce_dir, recv_json, send_json
+from monarch.runtime.debug.admin import TOKEN_BYTES, announce_dir, query, recv_json, send_json
 from monarch.runtime.telemetry.top import SqlPrompt, Top
 
 T = 60
@@ -106,7 +107,7 @@ async def shown(pilot: Any, selector: str, text: str) -> str:
 
 def test_top_app_shows_the_ranks_and_runs_typed_sql(controller_pid: int) -> None:
     async def drive() -> None:
-        app = Top(controller_pid, interval=0.2)
+        app = Top(partial(query, pid=controller_pid), f"controller {controller_pid}", interval=0.2)
         async with app.run_test(size=(140, 50)) as pilot:
             views = await shown(pilot, "#views", "actors: cli_echo")
             assert all(f"procs rank {rank}" in views for rank in range(4)) and "msgs_per_s" in views

@@ -20,7 +20,8 @@ import pytest
 
 import monarch
 from monarch.actor import Actor, ProcMesh, endpoint
-from monarch.runtime.telemetry import admin, store
+from monarch.runtime.debug import admin
+from monarch.runtime.telemetry import store
 from monarch.runtime.telemetry.events import Events
 
 T = 30.0
