@@ -36,8 +36,6 @@ LAYERS = (("monarch.runtime.telemetry",), ("monarch.runtime.control",),
 LAZY_DOWNWARD = {  # the only imports of a higher folder or a sibling (downward in the data flow), each lazy
     ("monarch.runtime.control.client", "monarch.runtime.session.api"):
         "tensor_api(): ProcMesh.activate/rank load the tensor API on first use, so workers load no torch before",
-    ("monarch.runtime.control.worker", "monarch.runtime.engine.service"):
-        "the worker loop loads the tensor engine on the first tensor program, so start-up loads no torch",
     ("monarch.runtime.control.controller", "monarch.runtime.debug.admin"):
         "the controller starts the admin socket only when MONARCH_ADMIN is set",
     ("monarch.runtime.actors.proc_mesh", "monarch.cluster.workspace"):
@@ -218,7 +216,7 @@ def test_a_lower_folder_never_imports_a_higher_one_nor_a_sibling() -> None:
     assert not bad, "imports against the folder order (ARCHITECTURE §2):\n" + "\n".join(bad)
 
 
-def test_the_declared_upward_imports_exist_and_are_lazy() -> None:
+def test_the_declared_exceptions_exist_and_are_lazy() -> None:
     """An exception that no longer matches an import goes; one that runs when its module loads is no exception."""
     for (importer, imported), reason in LAZY_DOWNWARD.items():
         found = [i for i in imports_in(MODULES[importer]) if within(i.module, imported)] if importer in MODULES else []
