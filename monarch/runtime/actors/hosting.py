@@ -1,7 +1,7 @@
 """Actor hosting on a worker: construct actors, run their endpoints, turn outcomes into replies and faults.
 
 `HostedActor.call` runs a sync endpoint at once and returns its `Outcome`; for an async endpoint it
-returns a coroutine that the worker runs as a task on its event loop (the actor takes no other message
+returns a coroutine that the actor host (host.py) runs as a task on its event loop (the actor takes no other message
 meanwhile unless the endpoint is a `@concurrent_endpoint`). Supervision follows Monarch: an exception
 with a caller waiting goes to the caller as `ActorError` and the actor lives; an `__init__` that raises,
 an exception in a broadcast (nobody to tell), one escaping an explicit-response-port endpoint, and any
@@ -13,6 +13,7 @@ import asyncio
 import traceback
 from collections.abc import Coroutine
 from dataclasses import dataclass, replace
+from types import FrameType
 from typing import Any
 
 from monarch.errors import ActorError, MonarchError, SupervisionError
@@ -20,7 +21,7 @@ from monarch.runtime.actors.context import CURRENT, Context, CreatorInstance, In
 from monarch.runtime.actors.endpoint import INITIALIZED, STOP, SUPERVISE, Endpoint, endpoints_of
 from monarch.runtime.actors.ports import DROP, Port, reply_port
 from monarch.runtime.control import codec
-from monarch.runtime.control.client import POINT
+from monarch.runtime.control.client import POINT, current_rank
 from monarch.runtime.control.commands import Call, MeshFailure, SpawnActor
 from monarch.shape import Extent, Point, Shape
 
@@ -182,6 +183,29 @@ class HostedActor:
         except BaseException as e:  # noqa: BLE001
             self.fault = self._fail(e, SUPERVISE, True)
             return False
+
+
+def calling_actor(frame: FrameType | None) -> tuple[str, str, str, FrameType | None]:
+    """(actor, endpoint, coords, endpoint frame) of the hosted actor whose call runs `frame`: found up the
+    stack, where the worker runs the endpoint (or constructs the actor: "__init__"). What the relayed pdb
+    (debug/relay.py) shows of a paused rank."""
+    below = None
+    while frame is not None:
+        hosted = frame.f_locals.get("self")
+        if isinstance(hosted, HostedActor):
+            return hosted.name, _endpoint_of(frame), hosted.point.label(), below
+        below, frame = frame, frame.f_back
+    return "", "", current_rank().label(), None
+
+
+def _endpoint_of(frame: FrameType) -> str:
+    """The endpoint a HostedActor frame runs: its `endpoint` or its call message's, else by the method."""
+    named, msg = frame.f_locals.get("endpoint"), frame.f_locals.get("msg")
+    if isinstance(named, str):
+        return named
+    if isinstance(getattr(msg, "endpoint", None), str):
+        return msg.endpoint
+    return {"__init__": "__init__", "supervise": "__supervise__"}.get(frame.f_code.co_name, frame.f_code.co_name)
 
 
 _NOTHING = Outcome(True, None)

@@ -65,7 +65,7 @@ class Boot:
 
 
 def parse(argv: list[str]) -> Launch:
-    p = argparse.ArgumentParser(prog="python -m monarch.runtime.control.worker")
+    p = argparse.ArgumentParser(prog="python -m monarch.runtime.worker")
     p.add_argument("--controller", required=True, help="host:port of the controller's control socket")
     p.add_argument("--mesh-id", type=int, required=True)
     p.add_argument("--dims", required=True, help="mesh dims, e.g. dp=2,tp=2")

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from monarch.errors import TransportError
+from monarch.errors import RemoteError, TransportError
 
 MAGIC = b"MNR1"
 TOKEN_BYTES = 32
@@ -184,6 +184,14 @@ def dumps_data(obj: Any) -> bytes:
 
 def loads(data: bytes) -> Any:
     return pickle.loads(data)
+
+
+def loads_error(data: bytes) -> BaseException:
+    """A pickled remote error; one that does not unpickle here becomes a RemoteError that says why."""
+    try:
+        return loads(data)
+    except Exception as x:  # noqa: BLE001 - an error that does not unpickle here is still a failure
+        return RemoteError(f"(the error did not unpickle on the controller: {type(x).__name__}: {x})")
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:

@@ -131,7 +131,7 @@ def addresses(launcher: Launcher, bind: str | None) -> tuple[str, str]:
 def worker_command(shape: Shape, control: str, mesh_id: int) -> list[str]:
     """What each rank runs: the worker entry point, told the controller's address and the mesh's dims."""
     dims = ",".join(f"{k}={n}" for k, n in zip(shape.labels, shape.sizes, strict=True))
-    return [sys.executable, "-m", "monarch.runtime.control.worker", "--controller", control,
+    return [sys.executable, "-m", "monarch.runtime.worker", "--controller", control,
             "--mesh-id", str(mesh_id), "--dims", dims, "--owner", str(os.getpid())]
 
 

@@ -2,8 +2,8 @@
 
 A process extends one flat list per table with each event's values (one `extend` per event,
 timestamps in µs since the epoch); workers ship what they have in batches over the control plane
-(when asked, and on their own once a batch is large), and the controller loads them into its
-embedded database (telemetry_db.py).
+(when asked, and on their own once a batch is large: a worker's `Collector`), and the controller loads
+them into its embedded database (store.py).
 The column lists below are the documented schema of each table.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from monarch import config
 from monarch.errors import ActorError, RemoteError
@@ -116,20 +116,80 @@ def cuda_bytes() -> tuple[int, int]:
             sum(int(torch.cuda.memory_reserved(d)) for d in devices))
 
 
-def error_text(payload: bytes) -> str:
-    """A pickled remote error as a failures row's detail: its type and message, without the remote
-    traceback and the hints of an ActorError, cut to DETAIL_CHARS."""
-    from monarch.runtime.control import codec
-    try:
-        e = codec.loads(payload)
-    except Exception as x:  # noqa: BLE001 - an error that does not unpickle here is still a failure
-        return f"(the error did not unpickle on the controller: {type(x).__name__}: {x})"[:DETAIL_CHARS]
+def error_text(e: BaseException) -> str:
+    """A remote error (unpickled by the caller) as a failures row's detail: its type and message, without the
+    remote traceback and the hints of an ActorError, cut to DETAIL_CHARS."""
     text = str(e).partition("\n\nRemote traceback:")[0]
     if isinstance(e, ActorError):  # "Type: message\n  raised by <endpoint> on rank <r> ...; hints"
         text = text.partition("\n  raised by ")[0]
     elif not isinstance(e, RemoteError):
         text = f"{type(e).__name__}: {text}"
     return text if len(text) <= DETAIL_CHARS else text[:DETAIL_CHARS - 3] + "..."
+
+
+class CallRecord(Protocol):
+    """What the messages table keeps of a call a worker ran (control.commands.Call)."""
+    actor: str
+    endpoint: str
+    sender: str | None
+    args: bytes
+
+
+class Collector:
+    """A worker's telemetry: when calls arrived and ran (the messages table, recorded off the replies' path),
+    memory samples (of the tensors `tensors()` gives: the tensor engine's store), and the batches it ships."""
+
+    def __init__(self, rank: int, tensors: Callable[[], Iterable[Any]]) -> None:
+        self.rank = rank
+        self._tensors = tensors
+        self._arrived: dict[int, int] = {}  # id(call) -> when it arrived (µs)
+        self._ran: list[tuple[CallRecord, int, int, bool]] = []  # calls run since the last flush: start, end, ok
+        self._sampled = 0.0  # time.monotonic() of the last memory sample
+
+    @staticmethod
+    def now() -> int:
+        """When a frame arrived (µs), or 0 while recording is off."""
+        return now_us() if RECORDER.on else 0
+
+    def arrived(self, call: CallRecord, when: int) -> None:
+        self._arrived[id(call)] = when
+
+    def ran(self, call: CallRecord, start: int, ok: bool) -> None:
+        if RECORDER.on:
+            self._ran.append((call, start, now_us(), ok))
+        elif self._arrived:  # recording was switched off while this call waited
+            self._arrived.pop(id(call), None)
+
+    def batch(self) -> Events | None:
+        """The events to ship unasked, once there are BATCH of them."""
+        return self.events() if RECORDER.count >= BATCH else None
+
+    def flushed(self) -> None:
+        """After a frame went out: record the calls that ran, and a memory sample when the last is
+        MEMORY_EVERY_S old."""
+        if self._ran:
+            self._record_calls()
+        if RECORDER.on and time.monotonic() >= self._sampled + MEMORY_EVERY_S:
+            self._sample_memory()
+
+    def events(self) -> Events:
+        """This worker's pending events, with a memory sample."""
+        self._record_calls()
+        self._sample_memory()
+        return RECORDER.take()
+
+    def _record_calls(self) -> None:
+        for call, start, end, ok in self._ran:
+            RECORDER.add("messages", (self.rank, call.actor, call.endpoint, call.sender or "controller",
+                                      len(call.args), self._arrived.pop(id(call), start), start, end,
+                                      "ok" if ok else "error"))
+        self._ran.clear()
+
+    def _sample_memory(self) -> None:
+        tensors = [v for v in self._tensors() if hasattr(v, "nbytes")]
+        RECORDER.add("memory", (self.rank, rss_bytes(), sum(t.nbytes for t in tensors), len(tensors), *cuda_bytes(),
+                                now_us()))
+        self._sampled = time.monotonic()
 
 
 def output_lines(shape: Any, stream: str, text: str) -> Events:

@@ -17,7 +17,7 @@ def test_local_command_uses_the_fork_launcher(monkeypatch: pytest.MonkeyPatch) -
     shape = Shape.row_major(("dp", "tp"), (2, 2))
     cmd = launch.LocalLauncher().command(shape, launch.worker_command(shape, "127.0.0.1:9", 3), "127.0.0.1")
     assert cmd[:7] == [sys.executable, "-n", "4", "-launcher", "fork", "-iface", "lo"]
-    assert cmd[7:10] == [sys.executable, "-m", "monarch.runtime.control.worker"]
+    assert cmd[7:10] == [sys.executable, "-m", "monarch.runtime.worker"]
     assert "dp=2,tp=2" in cmd and "127.0.0.1:9" in cmd
 
 

@@ -1,9 +1,9 @@
 """pdb on a worker, over the control plane: `breakpoint()` and `pdb.set_trace()` in an endpoint pause the rank.
 
-`install()` (worker start-up) makes both open a `RelayPdb` whose input and output go to the controller: each
-time pdb reads a line the worker sends `DebugPaused` (where it stands, what it printed) and waits for a
+`Debugger.install()` (worker start-up) makes both open a `RelayPdb` whose input and output go to the controller:
+each time pdb reads a line the worker sends `DebugPaused` (where it stands, what it printed) and waits for a
 `DebugInput`, and `DebugResumed` when the session ends (continue, quit, or the endpoint returned). The
-controller's side, and `monarch debug`, are runtime/telemetry/breakpoints.py and debug_console.py.
+controller's side, and `monarch debug`, are control/breakpoints.py and debug/console.py.
 """
 from __future__ import annotations
 
@@ -13,25 +13,25 @@ import pdb
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, Protocol
 
 from monarch import config
-from monarch.runtime.actors.hosting import HostedActor
 from monarch.runtime.control import codec
-from monarch.runtime.control.client import client, current_rank
 from monarch.runtime.control.commands import DebugInput, DebugPaused, DebugResumed
+from monarch.runtime.control.heartbeat import Sender
 
 SKIP = ["monarch.runtime.*", "asyncio.*"]  # pdb never stops in these frames (stepping out of the endpoint)
 _SUSPENDS = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 READ_POLL_S = 1.0  # how long a paused rank blocks for its next line before it looks for a Stop again
-_active: list[Relay] = []  # the session of this worker, while one is open (one thread: at most one)
+Locate = Callable[[FrameType], tuple[str, str, str, FrameType | None]]  # actor, endpoint, coords, endpoint frame
 
 
 class Host(Protocol):
     """What the paused rank needs of the worker it runs in (control/worker.py)."""
     rank: int
-    sender: Any
+    sender: Sender
 
     def flush(self) -> None: ...
 
@@ -80,8 +80,6 @@ class Relay:
         if self.ended:
             return
         self.ended = True
-        if self in _active:
-            _active.remove(self)
         sys.settrace(None)
         frame = sys._getframe(1)
         while frame is not None:  # bdb hooked every frame up the stack
@@ -132,72 +130,53 @@ def _suspends(frame: FrameType) -> bool:
     return bool(code.co_flags & _SUSPENDS) and code.co_code[frame.f_lasti] == dis.opmap["YIELD_VALUE"]
 
 
-def _calling_actor(frame: FrameType | None) -> tuple[str, str, str, FrameType | None]:
-    """(actor, endpoint, coords, endpoint frame) of the hosted actor whose call runs `frame`: found up the
-    stack, where the worker runs the endpoint (or constructs the actor: "__init__")."""
-    below = None
-    while frame is not None:
-        hosted = frame.f_locals.get("self")
-        if isinstance(hosted, HostedActor):
-            return hosted.name, _endpoint_of(frame), hosted.point.label(), below
-        below, frame = frame, frame.f_back
-    return "", "", current_rank().label(), None
+class Debugger:
+    """The relayed pdb of one worker (`host`): at most one session at a time (one thread runs endpoints).
+    `locate` finds the actor whose call runs a frame (actors/hosting.py's calling_actor)."""
 
+    def __init__(self, host: Host, locate: Locate) -> None:
+        self.host, self.locate = host, locate
+        self.active: Relay | None = None  # the session of this worker, while one is open
 
-def _endpoint_of(frame: FrameType) -> str:
-    """The endpoint a HostedActor frame runs: its `endpoint` or its call message's, else by the method."""
-    named, msg = frame.f_locals.get("endpoint"), frame.f_locals.get("msg")
-    if isinstance(named, str):
-        return named
-    if isinstance(getattr(msg, "endpoint", None), str):
-        return msg.endpoint
-    return {"__init__": "__init__", "supervise": "__supervise__"}.get(frame.f_code.co_name, frame.f_code.co_name)
+    def install(self) -> None:
+        """Route breakpoint() and pdb.set_trace() of this worker's actors to the controller."""
+        sys.breakpointhook = self.breakpointhook
+        pdb.set_trace = self.set_trace
 
-
-def pause(frame: FrameType | None, header: str | None = None) -> None:
-    """Stop the rank in pdb at `frame` (the caller's when None), relayed to the controller."""
-    frame = frame or sys._getframe(1)
-    if threading.current_thread() is not threading.main_thread():
-        print(f"monarch: skipped a breakpoint in thread {threading.current_thread().name!r} at "
-              f"{frame.f_code.co_filename}:{frame.f_lineno}: only the worker's own thread (its actors' endpoints) "
-              "can pause in pdb", file=sys.stderr, flush=True)
-        return
-    actor, endpoint, coords, bottom = _calling_actor(frame)
-    if _active and not _active[0].ended:
-        if _active[0].bottom is bottom and _active[0].pdb is not None:
-            _active[0].pdb.set_trace(frame)  # the call continued with breakpoints left: it stops again
+    def pause(self, frame: FrameType, header: str | None = None) -> None:
+        """Stop the rank in pdb at `frame`, relayed to the controller."""
+        if threading.current_thread() is not threading.main_thread():
+            print(f"monarch: skipped a breakpoint in thread {threading.current_thread().name!r} at "
+                  f"{frame.f_code.co_filename}:{frame.f_lineno}: only the worker's own thread (its actors' endpoints) "
+                  "can pause in pdb", file=sys.stderr, flush=True)
             return
-        _active[0].end()  # that of an earlier call, which ended unseen
-    relay = Relay(client(), actor, endpoint, coords, bottom)  # type: ignore[arg-type]
-    _active[:] = [relay]
-    debugger = RelayPdb(relay)
-    if header is not None:
-        relay.write(header + "\n")
-    debugger.set_trace(frame)
+        actor, endpoint, coords, bottom = self.locate(frame)
+        active = self.active
+        if active is not None and not active.ended:
+            if active.bottom is bottom and active.pdb is not None:
+                active.pdb.set_trace(frame)  # the call continued with breakpoints left: it stops again
+                return
+            active.end()  # that of an earlier call, which ended unseen
+        relay = self.active = Relay(self.host, actor, endpoint, coords, bottom)
+        debugger = RelayPdb(relay)
+        if header is not None:
+            relay.write(header + "\n")
+        debugger.set_trace(frame)
 
-
-def breakpointhook(*args: Any, **kwargs: Any) -> Any:
-    """`sys.breakpointhook` on workers. PYTHONBREAKPOINT keeps its meaning: 0 disables breakpoint(), another
-    debugger than pdb is called as Python would (it then reads the worker's stdin, which is not a terminal)."""
-    wanted = config.external("PYTHONBREAKPOINT")
-    if wanted == "0":
+    def breakpointhook(self, *args: Any, **kwargs: Any) -> Any:
+        """`sys.breakpointhook` on workers. PYTHONBREAKPOINT keeps its meaning: 0 disables breakpoint(), another
+        debugger than pdb is called as Python would (it then reads the worker's stdin, which is not a terminal)."""
+        wanted = config.external("PYTHONBREAKPOINT")
+        if wanted == "0":
+            return None
+        if wanted not in ("", "pdb.set_trace"):
+            return sys.__breakpointhook__(*args, **kwargs)
+        self.pause(sys._getframe(1))
         return None
-    if wanted not in ("", "pdb.set_trace"):
-        return sys.__breakpointhook__(*args, **kwargs)
-    pause(sys._getframe(1))
-    return None
 
+    def set_trace(self, *, header: str | None = None) -> None:
+        """`pdb.set_trace` on workers."""
+        self.pause(sys._getframe(1), header)
 
-def set_trace(*, header: str | None = None) -> None:
-    """`pdb.set_trace` on workers."""
-    pause(sys._getframe(1), header)
-
-
-def install() -> None:
-    """Route breakpoint() and pdb.set_trace() of this worker's actors to the controller."""
-    sys.breakpointhook = breakpointhook
-    pdb.set_trace = set_trace
-
-
-def stale_input(_worker: Any, _msg: DebugInput) -> None:
-    """A line that came after its session ended (the worker's handler for DebugInput outside a pause)."""
+    def stale_input(self, msg: DebugInput) -> None:
+        """A line that came after its session ended (the worker's handler for DebugInput outside a pause)."""

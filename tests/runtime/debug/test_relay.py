@@ -85,7 +85,7 @@ def test_list_attach_cast_continue(debugee: ActorMesh, capsys: pytest.CaptureFix
     rows = dc.wait_pending_session(2, timeout=T)
     notice = capsys.readouterr().err  # one line for the actor mesh, naming its first paused rank
     assert notice.count("is paused in pdb") == 1 and "`monarch debug`" in notice, notice
-    fn = "test_debugger.to_debug"
+    fn = "test_relay.to_debug"
     assert [(r.actor_name, r.rank, r.coords, r.function, r.lineno) for r in rows] == [
         ("debugee", 0, {"dp": 0}, fn, _pause_line()), ("debugee", 1, {"dp": 1}, fn, _pause_line())]
     assert rows[0].endpoint == "to_debug" and rows[0].mesh == "debuggees" and rows[0].hostname == os.uname().nodename
@@ -215,7 +215,7 @@ def test_the_monarch_debug_command(debugee: ActorMesh) -> None:
     assert out.returncode == 0, out.stderr
     assert "MONARCH DEBUGGER" in out.stdout and "monarch_dbg> " in out.stdout
     rows = [[c.strip() for c in line.split("|")] for line in out.stdout.splitlines() if line.startswith("debugee")]
-    fn, line = "test_debugger.to_debug", str(_pause_line())
+    fn, line = "test_relay.to_debug", str(_pause_line())
     assert [(r[0], r[1], r[2], r[4], r[5], r[7]) for r in rows] == [
         ("debugee", "0", "{'dp': 0}", fn, line, "to_debug"), ("debugee", "1", "{'dp': 1}", fn, line, "to_debug")]
 
