@@ -220,7 +220,7 @@ class PortSend:
 
 @dataclass(frozen=True)
 class DebugPaused:
-    """A rank's pdb (actors/debugger.py) waits for a line: where it stands, and what it printed since its last
+    """A rank's pdb (debug/relay.py) waits for a line: where it stands, and what it printed since its last
     line (ending with its prompt). `actor`/`endpoint`: the call that hit the breakpoint ("" outside any)."""
     actor: str
     endpoint: str
