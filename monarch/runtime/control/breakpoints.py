@@ -12,23 +12,41 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import DebugInput, DebugPaused, DebugResumed
 
-if TYPE_CHECKING:
-    from monarch.runtime.control.conn import Conn, Job
-    from monarch.runtime.control.controller import Controller
-
 Key = tuple[int, str, int]  # (proc mesh id, actor name, rank)
+
+
+class PausedJob(Protocol):
+    """The job of a paused rank, as its record reads it (the controller's Job, conn.py)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def live(self) -> bool: ...
+
+
+class RankConn(Protocol):
+    """The connection of a paused rank (the controller's Conn, conn.py): its job, and where its lines go."""
+
+    @property
+    def mesh(self) -> PausedJob | None: ...
+
+    def send(self, frame: bytes) -> None: ...
 
 
 @dataclass
 class PausedRank:
     """One rank stopped in pdb: where it stands and what it printed since the last line it was sent."""
-    mesh: Job  # the controller's record of the rank's job
-    conn: Conn  # the rank's connection, which its lines go to
+    mesh: PausedJob  # the controller's record of the rank's job
+    conn: RankConn  # the rank's connection, which its lines go to
     actor: str
     endpoint: str
     rank: int
@@ -64,7 +82,7 @@ class Breakpoints:
         self._ranks: dict[Key, PausedRank] = {}
         self.changed = threading.Condition()
 
-    def paused(self, mesh: Job, conn: Conn, msg: DebugPaused) -> None:
+    def paused(self, mesh: PausedJob, conn: RankConn, msg: DebugPaused) -> None:
         with self.changed:
             key = (mesh.id, msg.actor, msg.rank)
             rec = self._ranks.get(key)
@@ -82,7 +100,7 @@ class Breakpoints:
             rec.seen += 1
             self.changed.notify_all()
 
-    def resumed(self, mesh: Job, msg: DebugResumed) -> None:
+    def resumed(self, mesh: PausedJob, msg: DebugResumed) -> None:
         with self.changed:
             rec = self._ranks.pop((mesh.id, msg.actor, msg.rank), None)
             if rec is not None:
@@ -151,12 +169,12 @@ class Breakpoints:
 BREAKPOINTS = Breakpoints()
 
 
-def on_paused(_ctl: Controller, conn: Conn, msg: DebugPaused) -> None:
+def on_paused(_ctl: object, conn: RankConn, msg: DebugPaused) -> None:
     """The controller's handler of DebugPaused (conn: the rank's authenticated connection)."""
     assert conn.mesh is not None
     BREAKPOINTS.paused(conn.mesh, conn, msg)
 
 
-def on_resumed(_ctl: Controller, conn: Conn, msg: DebugResumed) -> None:
+def on_resumed(_ctl: object, conn: RankConn, msg: DebugResumed) -> None:
     assert conn.mesh is not None
     BREAKPOINTS.resumed(conn.mesh, msg)

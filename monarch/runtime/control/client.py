@@ -10,17 +10,11 @@ from contextvars import ContextVar
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Protocol
 
-from monarch.runtime.control.futures import CallState, Waiter
+from monarch.runtime.control.futures import CallState, Inbox, Waiter
 from monarch.shape import Extent, Point, Shape
 
 if TYPE_CHECKING:
     from monarch.runtime.control.commands import Call, MeshRequest, PortSend
-
-
-class Inbox(Protocol):
-    """A channel's receiving end (monarch.runtime.actors.ports.Inbox), where a port's messages are put."""
-
-    def put(self, ok: bool, value: bytes, rank: int | None) -> None: ...
 
 
 class Client(Waiter, Protocol):

@@ -9,17 +9,13 @@ Batches a worker sends on its own (Events) are stored by `on_events`, one of the
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import CONTROLLER, ShipTelemetry
-from monarch.runtime.control.conn import Conn, Job, TelemetrySink
+from monarch.runtime.control.conn import Conn, Job, Jobs, TelemetrySink
 from monarch.runtime.control.futures import deadline_of
 from monarch.runtime.telemetry.events import RECORDER, Events
 from monarch.runtime.telemetry.store import STORE, Limits, Rows
-
-if TYPE_CHECKING:
-    from monarch.runtime.control.controller import Controller
 
 log = logging.getLogger("monarch.controller")
 EXPORT_EVERY_S = 5.0  # how often events are fetched from the workers while an OpenTelemetry export is on
@@ -28,7 +24,7 @@ EXPORT_EVERY_S = 5.0  # how often events are fetched from the workers while an O
 class Collector:
     """The telemetry of one controller's process and jobs: fetched on demand, queried with SQL."""
 
-    def __init__(self, ctl: Controller) -> None:
+    def __init__(self, ctl: Jobs) -> None:
         self._ctl = ctl
         self._next_export = 0.0
 
@@ -76,7 +72,7 @@ class Collector:
         return late
 
 
-def on_events(_ctl: Controller, conn: Conn, msg: Events) -> None:
+def on_events(_ctl: Jobs, conn: Conn, msg: Events) -> None:
     """The controller's handler of a batch of events a worker sent."""
     assert conn.mesh is not None
     STORE.add(msg, conn.mesh.name)

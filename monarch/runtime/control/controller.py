@@ -28,14 +28,13 @@ from monarch import config
 from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
 from monarch.runtime.control import codec, heartbeat, launch, requests, supervise
 from monarch.runtime.control.breakpoints import on_paused, on_resumed
-from monarch.runtime.control.client import Inbox
 from monarch.runtime.control.collect import Collector, on_events
 from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, ActorFault, Busy, Call, DebugPaused, DebugResumed,
                                               Escalate, Forward, GetController, Heartbeat, Hello, MeshFailure,
                                               MeshRequest, PortSend, ProcExit, Reply, SpawnActors, SpawnProcs, Stop,
                                               StopProcs, describe_exit, describe_status)
 from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Job, banner_free
-from monarch.runtime.control.futures import CallState
+from monarch.runtime.control.futures import CallState, Inbox
 from monarch.runtime.control.poller import Poller
 from monarch.runtime.telemetry.events import RECORDER, Events, now_us, output_lines
 from monarch.runtime.telemetry.logs import OUTPUT

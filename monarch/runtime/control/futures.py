@@ -1,4 +1,5 @@
-"""Results of actor calls: per-call reply collection (`CallState`), `Future` and `ValueMesh`.
+"""Results of actor calls: per-call reply collection (`CallState`), `Future` and `ValueMesh`, and what a
+channel's receiving end (`Inbox`) offers the client that delivers into it.
 
 A CallState gathers one reply per rank of the called view; the client that sent the call (controller or
 worker) knows how to wait for it. Values stay pickled until the caller reads them.
@@ -27,6 +28,12 @@ class Waiter(Protocol):
     threaded: bool
 
     def wait(self, state: CallState, deadline: float | None, arrived: int) -> None: ...
+
+
+class Inbox(Protocol):
+    """A channel's receiving end (monarch.runtime.actors.ports.Inbox), where a port's messages are put."""
+
+    def put(self, ok: bool, value: bytes, rank: int | None) -> None: ...
 
 
 class CallState:

@@ -15,18 +15,15 @@ import itertools
 import threading
 from collections.abc import Callable
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from monarch.errors import MeshError, SupervisionError
 from monarch.runtime.control import codec, launch
 from monarch.runtime.control.commands import (GetController, MeshRequest, Owner, ProcsInfo, Reply, SpawnActor,
                                               SpawnActors, SpawnProcs, StopProcs)
-from monarch.runtime.control.conn import Conn, Job
+from monarch.runtime.control.conn import Conn, Job, Jobs
 from monarch.runtime.telemetry.events import RECORDER, now_us
 from monarch.shape import Shape
-
-if TYPE_CHECKING:
-    from monarch.runtime.control.controller import Controller
 
 LOCAL = 0  # the launcher key of this host (`this_host()`, in any process)
 _launchers: dict[int, launch.Launcher] = {}
@@ -60,7 +57,7 @@ def info_of(mesh: Job) -> ProcsInfo:
     return ProcsInfo(mesh.id, mesh.name, mesh.shape, tuple(mesh.hosts), tuple(mesh.pids))
 
 
-def serve(ctl: Controller, source: Conn, op: MeshRequest) -> None:
+def serve(ctl: Jobs, source: Conn, op: MeshRequest) -> None:
     """Run a request from an actor on a worker of `source`; that actor owns what it makes."""
     assert source.mesh is not None and source.header is not None
     owner = Owner(source.mesh.id, op.actor, source.header.rank)
@@ -76,7 +73,7 @@ def serve(ctl: Controller, source: Conn, op: MeshRequest) -> None:
         threading.Thread(target=run, args=(ctl, op, owner, answer), name="monarch-request", daemon=True).start()
 
 
-def run(ctl: Controller, op: MeshRequest, owner: Owner | None, answer: Answer) -> None:
+def run(ctl: Jobs, op: MeshRequest, owner: Owner | None, answer: Answer) -> None:
     """Run `op` for `owner` (None: the client); `answer(ok, value or exception)`."""
     try:
         value = RUN[type(op)](ctl, op, owner)
@@ -86,7 +83,7 @@ def run(ctl: Controller, op: MeshRequest, owner: Owner | None, answer: Answer) -
     answer(True, value)
 
 
-def _spawn_procs(ctl: Controller, op: SpawnProcs, owner: Owner | None) -> ProcsInfo:
+def _spawn_procs(ctl: Jobs, op: SpawnProcs, owner: Owner | None) -> ProcsInfo:
     n = next(_unnamed) if not op.name else 0
     name = op.name or ("procs" if n == 0 else f"procs_{n}")
     mesh = ctl.spawn(name, op.shape, launcher_of(op.launcher), dict(op.env) if op.env is not None else None,
@@ -95,7 +92,7 @@ def _spawn_procs(ctl: Controller, op: SpawnProcs, owner: Owner | None) -> ProcsI
     return info_of(mesh)
 
 
-def _spawn_actors(ctl: Controller, op: SpawnActors, owner: Owner | None) -> None:
+def _spawn_actors(ctl: Jobs, op: SpawnActors, owner: Owner | None) -> None:
     mesh = ctl.mesh(op.mesh_id)  # a stopped or failed mesh raises why
     name = op.spawn.name
     if name in mesh.actors:
@@ -110,20 +107,20 @@ def _spawn_actors(ctl: Controller, op: SpawnActors, owner: Owner | None) -> None
         RECORDER.add("actors", (r, mesh.name, name, op.cls_name, now))
 
 
-def _stop_procs(ctl: Controller, op: StopProcs, owner: Owner | None) -> None:
+def _stop_procs(ctl: Jobs, op: StopProcs, owner: Owner | None) -> None:
     mesh = ctl.meshes.get(op.mesh_id)
     if mesh is not None:  # else stopped already: stopping is idempotent
         stop_tree(ctl, mesh)
 
 
-def stop_tree(ctl: Controller, mesh: Job) -> None:
+def stop_tree(ctl: Jobs, mesh: Job) -> None:
     """Stop the proc meshes that actors of `mesh` spawned (theirs first), then `mesh`."""
     for child in [m for m in list(ctl.meshes.values()) if m.owner is not None and m.owner.mesh_id == mesh.id]:
         stop_tree(ctl, child)
     ctl.stop(mesh)
 
 
-def _get_controller(ctl: Controller, op: GetController, owner: Owner | None) -> ProcsInfo:
+def _get_controller(ctl: Jobs, op: GetController, owner: Owner | None) -> ProcsInfo:
     """The one-process mesh that runs singleton actor mesh `op.name`: the running one, or a new one with
     the actors spawned on it (the client owns both, whoever asked)."""
     with _singletons_lock:
@@ -139,5 +136,5 @@ def _get_controller(ctl: Controller, op: GetController, owner: Owner | None) -> 
         return info
 
 
-RUN: dict[type, Callable[[Controller, Any, Owner | None], Any]] = {
+RUN: dict[type, Callable[[Jobs, Any, Owner | None], Any]] = {
     SpawnProcs: _spawn_procs, SpawnActors: _spawn_actors, StopProcs: _stop_procs, GetController: _get_controller}

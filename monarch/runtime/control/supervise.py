@@ -26,16 +26,12 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import FrameType
-from typing import TYPE_CHECKING
 
 from monarch.errors import SupervisionError
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import ActorFault, Escalate, MeshFailure, Owner, PortSend, Reply, Supervise
-from monarch.runtime.control.conn import Conn, Job
+from monarch.runtime.control.conn import Conn, Job, Jobs
 from monarch.runtime.telemetry.events import RECORDER, now_us
-
-if TYPE_CHECKING:
-    from monarch.runtime.control.controller import Controller
 
 log = logging.getLogger("monarch")
 _told: set[tuple[str, str, int, Owner | None]] = set()
@@ -77,7 +73,7 @@ _faults: dict[tuple[str, str], Fault] = {}  # (proc mesh name, actor mesh name o
 _lock = threading.Lock()
 
 
-def route(ctl: Controller, failure: MeshFailure, owner: Owner | None) -> None:
+def route(ctl: Jobs, failure: MeshFailure, owner: Owner | None) -> None:
     """Give `failure` to `owner` (an actor), or to the root's hook when the client owns what failed."""
     key = (failure.mesh, failure.actor, failure.rank, owner)
     if key in _told:
@@ -91,7 +87,7 @@ def route(ctl: Controller, failure: MeshFailure, owner: Owner | None) -> None:
                   "a supervision event")
 
 
-def _run_hook(ctl: Controller, failure: MeshFailure) -> None:
+def _run_hook(ctl: Jobs, failure: MeshFailure) -> None:
     hook = getattr(sys.modules.get("monarch.actor"), "unhandled_fault_hook", unhandled_fault_hook)
     try:
         hook(failure)
@@ -104,7 +100,7 @@ def _run_hook(ctl: Controller, failure: MeshFailure) -> None:
         log.warning("monarch: unhandled supervision event dropped by unhandled_fault_hook: %s", failure.message())
 
 
-def _unhandled(ctl: Controller, failure: MeshFailure, code: int) -> None:
+def _unhandled(ctl: Jobs, failure: MeshFailure, code: int) -> None:
     """Fail the calls waiting on the failed rank with the fault's SupervisionError (and the next call of a
     failed actor mesh), then knock until the fault is delivered or ends the client. Later ranks of an actor
     mesh share its fault."""
@@ -199,7 +195,7 @@ if threading.current_thread() is threading.main_thread():
 
 
 # -- the controller's handlers ---------------------------------------------------------------------
-def on_fault(ctl: Controller, conn: Conn, msg: ActorFault) -> None:
+def on_fault(ctl: Jobs, conn: Conn, msg: ActorFault) -> None:
     """An actor stopped on the rank of `conn`: its owner hears of it."""
     mesh, header = conn.mesh, conn.header
     assert mesh is not None and header is not None
@@ -210,17 +206,17 @@ def on_fault(ctl: Controller, conn: Conn, msg: ActorFault) -> None:
     route(ctl, failure, mesh.actors.get(msg.actor))
 
 
-def on_escalate(ctl: Controller, conn: Conn, msg: Escalate) -> None:
+def on_escalate(ctl: Jobs, conn: Conn, msg: Escalate) -> None:
     """Actor `msg.actor` did not handle the failure: its own owner hears of it."""
     assert conn.mesh is not None
     route(ctl, msg.failure, conn.mesh.actors.get(msg.actor))
 
 
-def on_port(ctl: Controller, conn: Conn, msg: PortSend) -> None:
+def on_port(ctl: Jobs, conn: Conn, msg: PortSend) -> None:
     deliver_port(ctl, msg)
 
 
-def deliver_port(ctl: Controller, msg: PortSend) -> None:
+def deliver_port(ctl: Jobs, msg: PortSend) -> None:
     """A port's message (from a worker, or sent here): into the caller's pending call (a reply port), a
     receiver here, or the worker holding the receiver."""
     ref = msg.ref
