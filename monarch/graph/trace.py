@@ -181,51 +181,60 @@ class Tracer:
         return n, ids
 
     def record(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """One aten op as a node of the pending graph: decide its specs (cached by signature), move the inputs
+        to the placements decided, append the node, and hand back its outputs as MeshTensors."""
         ins: list[MeshTensor] = []
+        try:
+            entry = self._decided(func, args, kwargs, ins)
+        except _PlainTensor:
+            return self.record(func, *self.constants((args, kwargs)))
+        if entry.inplace:
+            _check_aliased_write(func, ins[0], entry.decision.ins[0])
+        srcs = [self.moved(t, want) for t, want in zip(ins, entry.decision.ins, strict=True)]
+        outs = self._append(func, args, kwargs, entry, srcs)
+        if entry.inplace:
+            return self._write_in_place(func, args[0], srcs[0][1], outs[0])
+        if entry.view and ins:
+            _share_or_copy_view(func, ins[0], srcs[0][1], outs)
+        return entry.build(outs)
+
+    def _decided(self, func: Any, args: tuple, kwargs: dict, ins: list[MeshTensor]) -> Recorded:
+        """What the op's signature records (cached); collects its MeshTensor arguments into `ins`."""
         try:
             key = (func, _key(args, ins), _key(kwargs, ins) if kwargs else None)
             entry = self.cache.get(key)
         except TypeError:  # an unhashable argument: analyse without caching
             key, entry = None, None
-        except _PlainTensor:
-            return self.record(func, *self._constants((args, kwargs)))
         if entry is None:
             entry = self._analyze(func, args, kwargs, ins)
             if key is not None:
                 self.cache[key] = entry
-        if entry.inplace:
-            _check_aliased_write(func, ins[0], entry.decision.ins[0])
-        srcs = [self._moved(t, want) for t, want in zip(ins, entry.decision.ins, strict=True)]
-        bufs = iter([Buf(i) for _, i in srcs])
-        local_args = _substitute(args, bufs)
-        local_kwargs = _substitute(kwargs, bufs) if kwargs else {}
-        d = entry.decision
-        node, ids = self.node(func, tuple(n for n, _ in srcs), d.outs, d.emit or Emit.default, local_args,
-                              local_kwargs, entry.call, d.ins)
+        return entry
+
+    def _append(self, func: Any, args: tuple, kwargs: dict, entry: Recorded,
+                srcs: list[tuple[fx.Node, int]]) -> list[MeshTensor]:
+        """The op's node, reading the buffers `srcs` (the inputs as placed for it); its outputs."""
+        bufs, d = iter([Buf(i) for _, i in srcs]), entry.decision
+        node, ids = self.node(func, tuple(n for n, _ in srcs), d.outs, d.emit or Emit.default, _substitute(args, bufs),
+                              _substitute(kwargs, bufs) if kwargs else {}, entry.call, d.ins)
         if entry.seeded:
             self.seeded(node)
-        outs = [self.wrap(spec, node, i) for spec, i in zip(entry.decision.outs, ids, strict=True)]
-        if entry.inplace:
-            reshaped = torch.Tag.inplace_view in func.tags  # squeeze_, t_: the target's shape changes, no data
-            outs[0]._handle.copied_view = reshaped and args[0]._handle.copied_view
-            if args[0]._handle.copied_view and not reshaped:
-                raise UnsupportedOpError(
-                    f"{func.name()}: writing through a view whose base MeshTensor had to be redistributed "
-                    f"(now {ins[0]._spec}) would not reach the base; redistribute the base first so the view "
-                    "needs no data movement (e.g. to Replicate on the viewed dims), or use an out-of-place op")
-            if srcs[0][1] == ins[0]._handle.id:
-                args[0]._handle.share(outs[0]._handle)
-            if self.capture is not None:
-                self.capture.touched.append(weakref.ref(args[0]))
-            return _rebind(args[0], outs[0])
-        if entry.view and ins and (srcs[0][1] != ins[0]._handle.id or ins[0]._handle.copied_view
-                                   or func in COPYING_VIEWS):
-            for o in outs:
-                o._handle.copied_view = True
-        elif entry.view and ins:
-            for o in outs:
-                ins[0]._handle.share(o._handle)
-        return entry.build(outs)
+        return [self.wrap(spec, node, i) for spec, i in zip(d.outs, ids, strict=True)]
+
+    def _write_in_place(self, func: Any, target: MeshTensor, read: int, out: MeshTensor) -> MeshTensor:
+        """An in-place op whose node read buffer `read` for `target`: `target` names `out` from now on."""
+        reshaped = torch.Tag.inplace_view in func.tags  # squeeze_, t_: the target's shape changes, no data
+        out._handle.copied_view = reshaped and target._handle.copied_view
+        if target._handle.copied_view and not reshaped:
+            raise UnsupportedOpError(
+                f"{func.name()}: writing through a view whose base MeshTensor had to be redistributed "
+                f"(now {target._spec}) would not reach the base; redistribute the base first so the view "
+                "needs no data movement (e.g. to Replicate on the viewed dims), or use an out-of-place op")
+        if read == target._handle.id:
+            target._handle.share(out._handle)
+        if self.capture is not None:
+            self.capture.touched.append(weakref.ref(target))
+        return _rebind(target, out)
 
     def seeded(self, node: fx.Node) -> None:
         """Give random op `node` its seed (`Emit.seed`), the next of monarch.manual_seed's stream. In a
@@ -243,13 +252,13 @@ class Tracer:
         node._update_args_kwargs((*node.args, cap.salt), {})
         node.meta["seed"] = (next(cap.draws), Buf(cap.salt.meta["ids"][0]))
 
-    def _constants(self, obj: Any) -> Any:
+    def constants(self, obj: Any) -> Any:
         """`obj` with every plain tensor replaced by a replicated MeshTensor of its data (sent to each rank)."""
         t = type(obj)
         if t is tuple or t is list:
-            return t(self._constants(o) for o in obj)
+            return t(self.constants(o) for o in obj)
         if t is dict:
-            return {k: self._constants(v) for k, v in obj.items()}
+            return {k: self.constants(v) for k, v in obj.items()}
         if isinstance(obj, torch.Tensor) and t is not MeshTensor:
             data = obj.detach().clone()
             spec = spec_of(data, (Replicate(),) * len(self.mesh), self.mesh)
@@ -265,7 +274,7 @@ class Tracer:
         node.meta["feed"] = slot
         return self.wrap(spec, node, ids[0])
 
-    def _moved(self, t: MeshTensor, want: Spec) -> tuple[fx.Node, int]:
+    def moved(self, t: MeshTensor, want: Spec) -> tuple[fx.Node, int]:
         """The node and buffer holding `t` with `want`'s placements (redistributed when they differ)."""
         src, v = self._node_of(t), t._handle
         if t._spec.placements == want.placements:
@@ -339,10 +348,9 @@ def redistribute(x: Any) -> Any:
 def _plan_emitter(p: Plan) -> NodeEmitter:
     def emit(ctx: Emit) -> list[Instr]:
         src, out = ctx.args[0].id, ctx.out_ids[0]
-        steps = p.steps
         instrs: list[Instr] = []
-        for i, step in enumerate(steps):
-            dst = out if i == len(steps) - 1 else ctx.fresh()
+        for i, step in enumerate(p.steps):
+            dst = out if i == len(p.steps) - 1 else ctx.fresh()
             instrs.append(emit_step(step, ctx.coords, src, dst))
             src = dst
         return instrs
@@ -410,6 +418,17 @@ def _check_aliased_write(func: Any, target: MeshTensor, want: Spec) -> None:
             f"{func.name()}: its target {target._spec} shares its data with a view or a base, and the op needs "
             f"the target as {want}: the write would land in a copy that the others do not see; redistribute "
             "the base to that placement first, or use an out-of-place op")
+
+
+def _share_or_copy_view(func: Any, base: MeshTensor, read: int, outs: list[MeshTensor]) -> None:
+    """A view's outputs share `base`'s storage when it read `base`'s own buffer `read`; else (a redistributed
+    base, a view of a copy, a copying view) they view a copy, and writes through them are refused."""
+    if read != base._handle.id or base._handle.copied_view or func in COPYING_VIEWS:
+        for o in outs:
+            o._handle.copied_view = True
+    else:
+        for o in outs:
+            base._handle.share(o._handle)
 
 
 def _rebind(target: MeshTensor, out: MeshTensor) -> MeshTensor:

@@ -1,8 +1,8 @@
 """`MeshTensor`: a torch.Tensor subclass whose data lives in shards on a mesh of worker processes.
 
-Every aten op on a MeshTensor reaches `__torch_dispatch__`, which hands it to the tensor's backend
-(the controller-side session of its mesh); the backend records it and returns new MeshTensors. The
-wrapper holds no storage: only the global shape, stride and dtype, the Spec and a buffer handle.
+Every op on a MeshTensor meets monarch's tables in the order tensor/intercept.py sets: its backend (the
+controller-side session of its mesh) records the op and returns new MeshTensors. The wrapper holds
+no storage: only the global shape, stride and dtype, the Spec and a buffer handle.
 """
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from typing import Any, Protocol
 import torch
 
 from monarch.errors import ShardingError
-from monarch.tensor import attention, data_dependent, dynamo, ops, setitem
+from monarch.shape import MeshLike
+from monarch.tensor import dynamo, intercept, ops
+from monarch.tensor.intercept import Stages
 from monarch.tensor.ops import batched
 from monarch.tensor.placement import Placement, normalize
 from monarch.tensor.spec import Spec
 
 
-class Backend(Protocol):
-    """What a MeshTensor needs from the runtime of its mesh."""
-    mesh: Any
-
-    def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any: ...
+class Backend(Stages, Protocol):
+    """What a MeshTensor needs from the runtime of its mesh: the stages of an op, and these."""
+    mesh: MeshLike
 
     def redistribute(self, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor: ...
 
@@ -46,21 +46,9 @@ class MeshTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        """Plain torch semantics (results are not wrapped again), except for the composite ops that read
-        a tensor argument's data in C++ (tensor_split's indices): that argument's values are read first;
-        and those monarch records its own way (`_WHOLE`) when they apply."""
-        kwargs = kwargs or {}
-        if torch.compiler.is_compiling():
-            dynamo.refuse_one_graph()
-        if func in _WHOLE:
-            out = _WHOLE[func](*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        if func in _READS_DATA:
-            args = (args[0], *(_whole(a) for a in args[1:]))
-            kwargs = {k: _whole(v) for k, v in kwargs.items()}
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        """Plain torch semantics (results are not wrapped again), except for the composite ops monarch
+        records its own way (step 1 of tensor/intercept.py)."""
+        return intercept.torch_function(func, args, kwargs or {})
 
     @staticmethod
     def __new__(cls, spec: Spec, backend: Backend, handle: Any, requires_grad: bool = False) -> MeshTensor:
@@ -72,13 +60,12 @@ class MeshTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
                            kwargs: dict | None = None) -> Any:
-        backend = _backend_of(func, args, kwargs)
-        done, out = data_dependent.rewrite(func, args, kwargs or {})
-        return out if done else backend.dispatch(func, args, kwargs or {})
+        """Every aten op: recorded by the backend of its mesh (steps 2 to 5 of tensor/intercept.py)."""
+        return intercept.dispatch(_backend_of(func, args, kwargs), func, args, kwargs or {})
 
     # -- sharding --------------------------------------------------------------------------------
     @property
-    def mesh(self) -> Any:
+    def mesh(self) -> MeshLike:
         """The proc mesh (view) holding the shards."""
         return self._backend.mesh
 
@@ -162,16 +149,6 @@ class MeshTensor(torch.Tensor):
 
 
 _TENSOR_DATA = torch._C.TensorBase.data  # torch's own `.data` (shape, dtype and stride of the wrapper)
-_READS_DATA = frozenset([torch.tensor_split, torch.Tensor.tensor_split])
-_WHOLE: dict[Any, Any] = {  # composite ops that would merge a sharded batch dim with another dim
-    torch.nn.functional.linear: ops.linear_call,
-    torch.nn.functional.multi_head_attention_forward: attention.multi_head_attention_forward,
-    torch.Tensor.__setitem__: setitem.assign,  # along a sharded dim
-}
-
-
-def _whole(a: Any) -> Any:
-    return a.full_tensor() if type(a) is MeshTensor else a
 
 
 class _Redistribute(torch.autograd.Function):

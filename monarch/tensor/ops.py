@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from monarch.tensor import attention, setitem
+
 
 @torch.library.custom_op("monarch::matmul", mutates_args=())
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -111,3 +113,11 @@ def batched(a: object, b: object) -> bool:
     """Whether `a @ b` is a batched matmul that `monarch::matmul` keeps whole."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim >= 3 and a.ndim == b.ndim
             and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2])
+
+
+READS_DATA = frozenset([torch.tensor_split, torch.Tensor.tensor_split])  # read an index tensor's values in C++
+WHOLE: dict[Any, Any] = {  # composite ops that would merge a sharded batch dim with another dim
+    torch.nn.functional.linear: linear_call,
+    torch.nn.functional.multi_head_attention_forward: attention.multi_head_attention_forward,
+    torch.Tensor.__setitem__: setitem.assign,  # along a sharded dim
+}

@@ -77,7 +77,7 @@ class _Call:
         """The results; with `needs` (positions of the arguments that need a gradient), also the tape."""
         tracer = self.session.tracer
         ins = [a for a in self.args if isinstance(a, MeshTensor)]
-        srcs = [tracer._moved(t, t._spec) for t in ins]
+        srcs = [tracer.moved(t, t._spec) for t in ins]
         bufs = iter([Buf(i) for _, i in srcs])
         local_args = tuple(next(bufs) if isinstance(a, MeshTensor) else a for a in self.args)
         specs = self.specs + ((self.session.value_spec(),) if needs else ())
@@ -96,7 +96,7 @@ class _Call:
         tracer = self.session.tracer
         placed = [None if g is None else g.redistribute(_cotangent(spec.placements))
                   for g, spec in zip(grads, self.specs, strict=True)]
-        srcs = [tracer._moved(t, t._spec) for t in (tape, *(g for g in placed if g is not None))]
+        srcs = [tracer.moved(t, t._spec) for t in (tape, *(g for g in placed if g is not None))]
         bufs = iter([Buf(i) for _, i in srcs])
         args = (next(bufs), *(None if g is None else next(bufs) for g in placed))
         specs = tuple(spec.with_placements(_gradient(spec.placements)) for spec in inputs)

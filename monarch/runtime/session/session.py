@@ -13,13 +13,13 @@ import itertools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from monarch import config
 from monarch.errors import TraceError, TransportError
-from monarch.graph.decompose import decomposition
+from monarch.graph.decompose import Decomposition, decomposition
 from monarch.graph.partition import partition
 from monarch.graph.rules.table import Emit, writes_first_arg
 from monarch.graph.trace import TracedGraph, Tracer
@@ -28,8 +28,10 @@ from monarch.program.program import RankProgram
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.control.controller import controller
+from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.control.futures import CallState, Future, Waiter
 from monarch.runtime.session.lower import lower, lower_install
+from monarch.shape import MeshLike
 from monarch.tensor.data_dependent import whole
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
@@ -56,10 +58,10 @@ class Runner(Protocol):
 class Session:
     """Backend of the MeshTensors of one mesh view; `runner` runs what it records."""
 
-    def __init__(self, procs: Any, runner: Runner, ids: Iterator[int] | None = None) -> None:
+    def __init__(self, procs: MeshLike, runner: Runner, ids: Iterator[int] | None = None) -> None:
         self.mesh = procs
         self.runner = runner
-        self.view = procs._shape
+        self.view = procs.mesh_shape
         self.abstract = self.view.extent
         self.tracer = Tracer(self.abstract, self, ids)
         self.flushes = 0
@@ -75,22 +77,8 @@ class Session:
         """Whether the mesh still runs (a LocalMesh always does)."""
         return self.runner.live
 
-    # -- Backend ---------------------------------------------------------------------------------
-    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if _generator(func, args, kwargs) is not None:
-            return self._with_generator(func, args, kwargs)
-        parts = decomposition(func)
-        if parts is not None:
-            return parts(*args, **kwargs)
-        if not _returns_tensors(func):  # item(), bool(t), torch.equal: a sync point, run on fetched data
-            self._sync_point(func.name())
-            return func(*whole(args), **whole(kwargs))
-        out = self.tracer.record(func, args, kwargs)
-        if self.tracer.n_ops >= self.flush_ops and not self.capturing:
-            self.flush()
-        return out
-
-    def _with_generator(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    # -- Backend: the stages of tensor/intercept.py -------------------------------------------
+    def with_generator(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """An op given the user's torch.Generator runs here, on the fetched inputs, with that generator: its
         numbers and the generator's state are plain torch's. The result is replicated; an in-place op (whose
         target's values are never read) fills a blank tensor of the target's layout and copies it in."""
@@ -99,15 +87,29 @@ class Session:
                              "while the step is recorded; draw outside the step and pass the tensor in, or drop "
                              "generator= to draw from monarch.manual_seed's stream")
         if not writes_first_arg(func):
-            return self.tracer._constants(func(*whole(args), **whole(kwargs)))
+            return self.tracer.constants(func(*whole(args), **whole(kwargs)))
         target = args[0]
         blank = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype, device="cpu")
         return target.copy_(func(blank, *whole(args[1:]), **whole(kwargs)))
 
+    def decomposition(self, func: Any) -> Decomposition | None:
+        return decomposition(func)
+
+    def on_values(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """bool(t), an op returning no tensor: a sync point, run on the fetched data."""
+        self._sync_point(func.name())
+        return func(*whole(args), **whole(kwargs))
+
+    def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        out = self.tracer.record(func, args, kwargs)
+        if self.tracer.n_ops >= self.flush_ops and not self.capturing:
+            self.flush()
+        return out
+
     def redistribute(self, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
         if placements == t._spec.placements:
             return t
-        node, id = self.tracer._moved(t, t._spec.with_placements(placements))
+        node, id = self.tracer.moved(t, t._spec.with_placements(placements))
         return self.tracer.wrap(node.meta["specs"][0], node, id)
 
     def fetch(self, t: MeshTensor) -> Future[torch.Tensor]:
@@ -123,7 +125,7 @@ class Session:
         `ins`; it returns one result per spec: a piece placed as the spec, or (None) any picklable value,
         held by the returned handle until `values` fetches it."""
         self._sync_point(f"{op} (a checkpoint step)")
-        srcs = [self.tracer._moved(t, t._spec) for t in ins]
+        srcs = [self.tracer.moved(t, t._spec) for t in ins]
         bufs = tuple(Buf(i) for _, i in srcs)
         index = {c: n for n, c in enumerate(self.abstract.coords())}
         value = self.value_spec()
@@ -153,7 +155,7 @@ class Session:
         self.tracer.epoch += 1  # a compiled step's settled buffers are stale now
 
     def place(self, t: torch.Tensor, placements: tuple[Placement, ...] | None) -> MeshTensor:
-        replicated = self.tracer._constants(t.detach())
+        replicated = self.tracer.constants(t.detach())
         return replicated if placements is None else self.redistribute(replicated, placements)
 
     def values(self, handle: MeshTensor) -> Future[list[Any]]:
@@ -214,13 +216,13 @@ class Session:
 class RemoteRunner:
     """Runs a session's programs on the workers of a proc mesh view: lowered, one frame per worker."""
 
-    def __init__(self, procs: Any) -> None:
+    def __init__(self, procs: ProcMesh) -> None:
         self.procs = procs
-        self.view = procs._shape
+        self.view = procs.mesh_shape
 
     @property
     def live(self) -> bool:
-        return bool(self.procs._mesh.live)
+        return self.procs.running
 
     @property
     def waiter(self) -> Waiter:
@@ -233,8 +235,8 @@ class RemoteRunner:
         pieces = self._frames(programs, call_id, fetch, refused)
         state = CallState(self.view, f"tensor program on {self.procs!r}") if sync else None
         for frames in pieces[:-1]:
-            ctl.send_each(self.procs._mesh.id, frames, 0, None)
-        ctl.send_each(self.procs._mesh.id, pieces[-1], call_id, state)
+            ctl.send_each(self.procs.mesh_id, frames, 0, None)
+        ctl.send_each(self.procs.mesh_id, pieces[-1], call_id, state)
         if refused:
             raise refused[0]
         return state
@@ -244,7 +246,7 @@ class RemoteRunner:
         """Each rank's frame, or, when one is over MONARCH_MAX_FRAME, the programs cut into consecutive
         pieces that fit (the last one replies). An instruction too large alone (a constant's data) is not
         sent: it poisons its outputs with the error, which `refused` gets too."""
-        limit = self.procs._mesh.max_frame
+        limit = self.procs.max_frame
         msgs = lower(programs, self.view, call_id, fetch.sources() if fetch else None)
         frames = {r: codec.encode_frame([m]) for r, m in msgs.items()}
         big = max(frames.values(), key=len)
@@ -268,27 +270,8 @@ class RemoteRunner:
         else:
             installs = lower_install(call.pid, install, self.view)
             frames = {r: codec.encode_frame([installs[r], call]) for r in ranks}
-        controller().send_each(self.procs._mesh.id, frames, 0, None,
+        controller().send_each(self.procs.mesh_id, frames, 0, None,
                                "a call of a monarch.compile'd step (its program or plain tensor arguments)")
-
-
-def _generator(func: Any, args: tuple, kwargs: dict) -> torch.Generator | None:
-    """The torch.Generator an op was given (by keyword, or by position as torch.poisson's)."""
-    slot = _generator_slot(func)
-    if slot is None:
-        return None
-    i, name = slot
-    return args[i] if i < len(args) else kwargs.get(name)
-
-
-@functools.cache
-def _generator_slot(func: Any) -> tuple[int, str] | None:
-    return next(((i, a.name) for i, a in enumerate(func._schema.arguments) if "Generator" in str(a.type)), None)
-
-
-@functools.cache
-def _returns_tensors(func: Any) -> bool:
-    return any("Tensor" in str(r.type) for r in func._schema.returns)
 
 
 def _cut(programs: tuple[RankProgram, ...], start: int, stop: int | None) -> tuple[RankProgram, ...]:
@@ -357,17 +340,21 @@ def all_sessions() -> list[Session]:
     return list(_all)
 
 
-def session_of(procs: Any) -> Session:
+class OwnsSession(Protocol):
+    """A mesh simulated in this process (local.LocalMesh): it holds the Session of its one view."""
+
+    @property
+    def session(self) -> Session: ...
+
+
+def session_of(procs: MeshLike) -> Session:
     """The Session of a ProcMesh view (one per view), or of a LocalMesh."""
-    own = getattr(procs, "_session", None)
-    if own is not None:
-        return own
-    key = (procs._mesh.id, procs._shape)
+    if not isinstance(procs, ProcMesh):
+        return cast(OwnsSession, procs).session
+    key = (procs.mesh_id, procs.mesh_shape)
     s = _sessions.get(key)
     if s is None:  # every view of a proc mesh numbers its buffers from one counter: its workers share one store
-        ids = _buffer_ids.setdefault(procs._mesh.id, itertools.count(1))
+        ids = _buffer_ids.setdefault(procs.mesh_id, itertools.count(1))
         s = _sessions[key] = Session(procs, RemoteRunner(procs), ids)
-        hold = getattr(procs, "_hold", None)
-        if hold is not None:  # kept while the mesh is held, not beyond: a mesh nothing refers to stops
-            hold.sessions.append(s)
+        procs.keep_while_held(s)
     return s
