@@ -25,6 +25,7 @@ from monarch.runtime.control.futures import Future
 from monarch.runtime.session.api import distribute_tensor, fetch
 from monarch.runtime.session.session import session_of
 from monarch.runtime.session.torch_state import on_mesh_of
+from monarch.shape import MeshLike
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard, normalize
 
@@ -136,7 +137,7 @@ class SequenceParallel(ParallelStyle):
 
 
 # -- the API ------------------------------------------------------------------------------------
-def parallelize_module(module: nn.Module, mesh: Any, plan: Mapping[str, ParallelStyle]) -> nn.Module:
+def parallelize_module(module: nn.Module, mesh: MeshLike, plan: Mapping[str, ParallelStyle]) -> nn.Module:
     """Shard `module` over `mesh` in place following `plan` and return it.
 
     `plan` maps fnmatch patterns over `module.named_modules()` names to styles (ColwiseParallel,
@@ -154,7 +155,7 @@ def parallelize_module(module: nn.Module, mesh: Any, plan: Mapping[str, Parallel
     return module
 
 
-def data_parallel(module: nn.Module, mesh: Any, dim: str = "dp") -> nn.Module:
+def data_parallel(module: nn.Module, mesh: MeshLike, dim: str = "dp") -> nn.Module:
     """Replicate `module`'s parameters and buffers over mesh dim `dim` in place and shard its inputs there.
 
     A forward pre-hook turns plain tensor inputs into MeshTensors sharded on their first (batch) dim
@@ -197,7 +198,7 @@ def _matches(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple
     return found
 
 
-def _adopt(module: nn.Module, mesh: Any, dims: dict[str, Placement], memo: Memo) -> None:
+def _adopt(module: nn.Module, mesh: MeshLike, dims: dict[str, Placement], memo: Memo) -> None:
     """Every parameter and buffer of `module` on the mesh: plain ones replicated, MeshTensors with `dims`."""
     for mname, sub in module.named_modules():
         for pname, t in [*sub._parameters.items(), *sub._buffers.items()]:
@@ -221,7 +222,8 @@ def _gather_foreign(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
             state_dict[prefix + name] = value.full_tensor()
 
 
-def _place(module: nn.Module, pname: str, qualname: str, mesh: Any, dims: dict[str, Placement], memo: Memo) -> None:
+def _place(module: nn.Module, pname: str, qualname: str, mesh: MeshLike, dims: dict[str, Placement],
+           memo: Memo) -> None:
     """Replace the module's tensor `pname` by a MeshTensor placed as `dims` over their mesh dims
     (Replicate on the others for a plain tensor; a MeshTensor keeps its other dims). Shared tensors
     (tied weights) are converted once and must not get two different placements."""
@@ -240,7 +242,7 @@ def _place(module: nn.Module, pname: str, qualname: str, mesh: Any, dims: dict[s
         module._buffers[pname] = new
 
 
-def _to_mesh(t: torch.Tensor, mesh: Any, dims: dict[str, Placement], qualname: str) -> torch.Tensor:
+def _to_mesh(t: torch.Tensor, mesh: MeshLike, dims: dict[str, Placement], qualname: str) -> torch.Tensor:
     with torch.no_grad():
         if isinstance(t, MeshTensor):
             _check_mesh(t, mesh, qualname)
@@ -254,7 +256,7 @@ def _to_mesh(t: torch.Tensor, mesh: Any, dims: dict[str, Placement], qualname: s
     return nn.Parameter(out, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else out
 
 
-def _check_mesh(t: MeshTensor, mesh: Any, qualname: str) -> None:
+def _check_mesh(t: MeshTensor, mesh: MeshLike, qualname: str) -> None:
     if t._backend is not session_of(mesh):
         raise MeshError(f"{qualname} is a MeshTensor on {t.mesh!r}, not on {mesh!r}; parallelize on the mesh it "
                         "lives on, or turn it into a plain tensor first (.full_tensor())")
@@ -276,7 +278,7 @@ def _qualname(module_name: str, name: str) -> str:
 
 
 # -- inputs ------------------------------------------------------------------------------------
-def _shard_batch(mesh: Any, dim: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _shard_batch(mesh: MeshLike, dim: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook of data_parallel: tensor inputs sharded on their first dim over `dim`."""
     def shard(t: torch.Tensor) -> torch.Tensor:
         if t.ndim == 0:

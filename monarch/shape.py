@@ -3,7 +3,8 @@
 An `Extent` (dim names and sizes) is the abstract mesh that tracing, propagation and partitioning see. A
 `Shape` is a strided view (offset, sizes, strides) over a linear rank space with a label per dim, as
 Monarch's ndslice. Slicing, flattening, renaming and splitting are pure arithmetic on it; `MeshView`
-gives ProcMesh, ActorMesh and ValueMesh the same named-dim methods. No I/O, no dependencies.
+gives ProcMesh, ActorMesh and ValueMesh the same named-dim methods; `MeshLike` is what the tensor API
+needs of a mesh. No I/O, no dependencies.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from monarch.errors import MeshError
 
@@ -248,6 +249,11 @@ class MeshView:
         return self._shape.extent
 
     @property
+    def mesh_shape(self) -> Shape:
+        """The ranks of this view, with a label per dim."""
+        return self._shape
+
+    @property
     def sizes(self) -> list[int]:
         return list(self._shape.sizes)
 
@@ -268,3 +274,15 @@ class MeshView:
 
     def split(self: V, **spec: Any) -> V:
         return self._with_shape(self._shape.split(**spec))
+
+
+class MeshLike(Protocol):
+    """A mesh MeshTensors live on (a ProcMesh view, a LocalMesh): named dims over ranks, as MeshView has."""
+
+    @property
+    def extent(self) -> Extent: ...
+
+    @property
+    def mesh_shape(self) -> Shape: ...
+
+    def size(self, dim: str | None = None) -> int: ...

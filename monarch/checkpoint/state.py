@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp_state
 
 from monarch.runtime.session.session import session_of
+from monarch.shape import MeshLike
 from monarch.tensor import random
 
 Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...]
@@ -49,7 +50,7 @@ class RNGState:
     actor code draws from). The stream resumes exactly on any mesh. Worker generators resume exactly
     on a mesh with as many ranks; otherwise rank r gets the state saved by rank r mod the saved count."""
 
-    def __init__(self, mesh: Any) -> None:
+    def __init__(self, mesh: MeshLike) -> None:
         self.mesh = mesh
 
     def state_dict(self) -> dict[str, Any]:

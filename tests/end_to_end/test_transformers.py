@@ -34,7 +34,7 @@ def test_llama_attention_keeps_heads_sharded() -> None:
     mesh, size = LocalMesh({"tp": 2}), zoo.Size()
     model = parallelize(zoo.Llama(size), mesh, zoo.ZOO["llama"], size)
     x = monarch.distribute_tensor(torch.randn(2, size.seq, size.width), mesh, [monarch.Replicate()])
-    s = mesh._session
+    s = mesh.session
     s.flush()
     n = len(s.collectives)
     out = model(x, None)

@@ -41,7 +41,7 @@ class Case:
     def run(self, fn: Callable[..., Any], *plain: Any) -> tuple[list[torch.Tensor | None], list[str]]:
         """fn on the distributed `plain` tensors and on the plain ones; the outputs must match."""
         want = fn(*plain)
-        before = len(self.mesh._session.collectives)
+        before = len(self.mesh.session.collectives)
         out = fn(*(self.put(t) if isinstance(t, torch.Tensor) else t for t in plain))
         got = [o.full_tensor(timeout=30) if o is not None else None for o in flat(out)]
         for g, w in zip(got, flat(want), strict=True):
@@ -49,7 +49,7 @@ class Case:
                 assert g is None
             else:
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, equal_nan=True)
-        return got, self.mesh._session.collectives[before:]
+        return got, self.mesh.session.collectives[before:]
 
     def plain_placements(self) -> bool:
         """No input was Partial."""
@@ -67,11 +67,11 @@ def examples(n: int = 25) -> Callable:
 def run(mesh: Any, fn: Callable[[Any], Any], x: Any) -> tuple[list[torch.Tensor], list[str]]:
     """fn(x)'s outputs fetched, and the collectives that fn's ops and the fetches shipped (work recorded
     earlier ships first, so that it is not counted)."""
-    mesh._session.flush()
-    before = len(mesh._session.collectives)
+    mesh.session.flush()
+    before = len(mesh.session.collectives)
     out = fn(x)
     got = [t.full_tensor(timeout=30) for t in (out if isinstance(out, tuple) else (out,))]
-    return got, mesh._session.collectives[before:]
+    return got, mesh.session.collectives[before:]
 
 
 def check(got: list[torch.Tensor], want: Any, rtol: float = 1e-4, atol: float = 1e-5) -> None:

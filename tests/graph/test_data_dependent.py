@@ -100,7 +100,7 @@ def test_counts_are_added_on_the_ranks_not_gathered(fn: Callable[[Any], Any]) ->
     and the histograms' edges come from the max and min of the pieces), never the data."""
     x = few_values((8, 3), 1)
     mesh = LocalMesh({"x": 2})
-    s = mesh._session
+    s = mesh.session
     y = fn(monarch.distribute_tensor(x, mesh, [S0]))
     assert y.placements == (P,)
     assert torch.equal(y.full_tensor(), fn(x))
@@ -139,7 +139,7 @@ def test_equal_and_allclose_read_one_flag(name: str, placements: tuple) -> None:
     y = PAIRS[name](x)
     mesh = LocalMesh({"a": 2, "b": 2})
     a, b = (monarch.distribute_tensor(t, mesh, list(p)) for t, p in zip((x, y), placements, strict=True))
-    s = mesh._session
+    s = mesh.session
     aligned = placements[0] == placements[1] and x.shape == y.shape
     calls = [(torch.equal, {}), (torch.allclose, {}), (torch.allclose, {"atol": 1e-6, "equal_nan": True})]
     for fn, kwargs in calls:

@@ -38,7 +38,7 @@ def without_rules(monkeypatch: pytest.MonkeyPatch, *ops: torch._ops.OpOverload) 
 
 
 def collectives(mesh: LocalMesh, fn: Callable[[], Any]) -> tuple[Any, list[str]]:
-    s = mesh._session
+    s = mesh.session
     s.flush()
     n = len(s.collectives)
     out = fn()

@@ -98,7 +98,7 @@ def cases(draw: st.DrawFn) -> tuple[dict[str, int], tuple[int, ...], tuple, tupl
 def test_redistribute_roundtrip_on_reference(case) -> None:
     dims, shape, src, dst, dtype = case
     mesh = reference_mesh(dims)
-    session = mesh._session
+    session = mesh.session
     t = (torch.randn(shape) * 100).to(dtype)
     x = monarch.distribute_tensor(t, mesh, src)
     monarch.synchronize(mesh, timeout=10)

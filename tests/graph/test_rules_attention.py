@@ -42,7 +42,7 @@ def run(mesh: Any, fn: Callable[..., torch.Tensor], plain: list[torch.Tensor | N
     want.backward(grad)
     got_in = [monarch.distribute_tensor(t, mesh, list(p)).requires_grad_(w.requires_grad)
               if t is not None and w is not None else None for t, w, p in zip(plain, want_in, placements, strict=True)]
-    s = mesh._session
+    s = mesh.session
     s.flush()
     before = len(s.collectives)
     out = fn(*got_in)
@@ -182,7 +182,7 @@ def test_partial_values_and_grad_pass_through() -> None:
     g = torch.Generator().manual_seed(4)
     q, k, v, grad = (torch.randn(2, 2, 5, 4, generator=g) for _ in range(4))
     xs = [monarch.distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in ((q, R), (k, R), (v, P))]
-    s = mesh._session
+    s = mesh.session
     s.flush()
     before = len(s.collectives)
     out = F.scaled_dot_product_attention(*xs, is_causal=True)
@@ -224,7 +224,7 @@ def test_mha_data_parallel_moves_no_activations(batch_first: bool, need_weights:
     mesh = reference_mesh({"dp": 2})
     monarch.data_parallel(model, mesh)
     x = torch.randn(batch, 3, 16, generator=torch.Generator().manual_seed(1))
-    s = mesh._session
+    s = mesh.session
     s.flush()
     before = len(s.collectives)
     out = model(x)

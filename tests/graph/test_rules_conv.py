@@ -23,9 +23,9 @@ pytestmark = pytest.mark.usefixtures("strict")
 
 
 def comms(mesh: Any, fn: Callable[[], Any]) -> tuple[Any, list[str]]:
-    before = len(mesh._session.collectives)
+    before = len(mesh.session.collectives)
     out = fn()
-    return out, mesh._session.collectives[before:]
+    return out, mesh.session.collectives[before:]
 
 
 # -- convolution ------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_random_like_is_one_global_draw(case, kind) -> None:
         assert full.min() >= (2 if kind == "randint_low" else 0) and full.max() < 5 and torch.equal(full, full.round())
     elif kind == "rand":
         assert 0 <= full.min() and full.max() < 1
-    for eng, coords in zip(mesh._session.runner.engines, mesh._session.abstract.coords(), strict=True):
+    for eng, coords in zip(mesh.session.runner.engines, mesh.session.abstract.coords(), strict=True):
         start_len = z.spec.bounds(coords)
         piece = full
         for k, (s, n) in enumerate(start_len):

@@ -148,11 +148,11 @@ def test_softmax_over_unsharded_dim_moves_nothing() -> None:
     mesh = reference_mesh({"dp": 2, "tp": 2})
     base = torch.randn(5, 3, 6)
     x = monarch.distribute_tensor(base, mesh, {"dp": Shard(0), "tp": Shard(1)})
-    before = len(mesh._session.collectives)
+    before = len(mesh.session.collectives)
     y = torch.softmax(x, -1)
     assert y.placements == (Shard(0), Shard(1))
     torch.testing.assert_close(y.full_tensor(), torch.softmax(base, -1))
-    assert mesh._session.collectives[before:] == []
+    assert mesh.session.collectives[before:] == []
 
 
 def test_cross_entropy_batch_sharded_forward_and_backward() -> None:
@@ -160,12 +160,12 @@ def test_cross_entropy_batch_sharded_forward_and_backward() -> None:
     logits, target = torch.randn(7, 5, requires_grad=True), torch.tensor([0, 4, IGNORE, 1, 1, 3, 2])
     x = monarch.distribute_tensor(logits, mesh, {"x": Shard(0)})
     t = monarch.distribute_tensor(target, mesh, {"x": Shard(0)})
-    before = len(mesh._session.collectives)
+    before = len(mesh.session.collectives)
     loss = F.cross_entropy(x, t)
     assert loss.placements == (P,)
     want = F.cross_entropy(logits, target)
     torch.testing.assert_close(loss.full_tensor(), want)
-    assert mesh._session.collectives[before:] == ["all_gather[x]", "all_reduce[x]"]  # targets; the loss
+    assert mesh.session.collectives[before:] == ["all_gather[x]", "all_reduce[x]"]  # targets; the loss
     loss.backward()
     want.backward()
     assert x.grad.placements == (Shard(0),)
@@ -192,11 +192,11 @@ def test_vocab_sharded_embedding_is_one_all_reduce() -> None:
     weight, ids = torch.randn(6, 3), torch.tensor([[0, 5, 2], [3, 3, 1]])  # rows 2, 2, 2, 0 per rank
     w = monarch.distribute_tensor(weight, mesh, {"x": Shard(0)})
     i = monarch.distribute_tensor(ids, mesh)
-    before = len(mesh._session.collectives)
+    before = len(mesh.session.collectives)
     out = F.embedding(i, w)
     assert out.placements == (P,)
     torch.testing.assert_close(out.full_tensor(), F.embedding(ids, weight))
-    assert mesh._session.collectives[before:] == ["all_reduce[x]"]
+    assert mesh.session.collectives[before:] == ["all_reduce[x]"]
 
 
 # -- the rules on hand-built specs ------------------------------------------------------------------

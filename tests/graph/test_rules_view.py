@@ -61,7 +61,7 @@ def shipped(dims: dict[str, int], fn: Callable[..., Any], *inputs: tuple[torch.T
     """fn's outputs and the collectives its graph ships (fetching excluded)."""
     mesh = mesh_of(dims)
     xs = [monarch.distribute_tensor(t, mesh, list(ps)) for t, ps in inputs]
-    s = mesh._session
+    s = mesh.session
     s.flush()
     before = len(s.collectives)
     out = fn(*xs)

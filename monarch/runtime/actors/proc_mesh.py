@@ -14,12 +14,12 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from importlib import import_module
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from monarch.errors import MeshError
 from monarch.runtime.actors.actor_mesh import HOLDS, ActorMesh, resolved
 from monarch.runtime.actors.context import context
-from monarch.runtime.actors.endpoint import endpoints_of
+from monarch.runtime.actors.endpoint import Actor, endpoints_of
 from monarch.runtime.actors.log_options import Applied, logging_option
 from monarch.runtime.control import codec, requests
 from monarch.runtime.control.client import client, tensor_api
@@ -31,7 +31,7 @@ from monarch.runtime.telemetry.store import STORE, Limits, Rows
 from monarch.shape import MeshView, Shape
 
 log = logging.getLogger("monarch")
-A = TypeVar("A")
+A = TypeVar("A", bound=Actor)
 REQUEST_TIMEOUT = 60.0  # seconds an actor waits for the controller to spawn actors for it
 WORKSPACE = "monarch.cluster.workspace"  # the declared doorways up: ProcMesh.sync_workspace and ProcMesh.run_spmd
 SPMD = "monarch.spmd"  # reach these modules on first use, so that the actor layer imports neither
@@ -90,11 +90,27 @@ class ProcMesh(MeshView):
         return self._info.name
 
     @property
+    def mesh_id(self) -> int:
+        """The job's id, shared by every view of it."""
+        return self._info.mesh_id
+
+    @property
+    def max_frame(self) -> int:
+        """The largest frame the job's workers accept (known on the controller)."""
+        assert self._mesh is not None, f"max_frame of {self.name!r} outside the controller"
+        return self._mesh.max_frame
+
+    def keep_while_held(self, obj: object) -> None:
+        """Keep `obj` alive while the mesh is held, not beyond (a mesh nothing refers to stops)."""
+        if self._hold is not None:
+            self._hold.sessions.append(obj)
+
+    @property
     def initialized(self) -> Future[Literal[True]]:
         """Done (True) once the processes are up: spawn_procs returns when every worker connected."""
         return resolved(True)
 
-    def spawn(self, name: str, actor_cls: type[A], *args: Any, **kwargs: Any) -> ActorMesh[A]:
+    def spawn(self, name: str, actor_cls: type[A], *args: Any, **kwargs: Any) -> A:
         """Construct `actor_cls(*args, **kwargs)` on every proc of this view; returns at once (an actor's
         calls run after its __init__; `initialized` waits for it)."""
         table = endpoints_of(actor_cls)
@@ -102,7 +118,8 @@ class ProcMesh(MeshView):
         extra = codec.dumps({"creator": creator, "proc_mesh": self})  # what the actors' context() tells
         msg = SpawnActor(name, codec.dumps(actor_cls), codec.dumps((args, kwargs)), self._shape, extra)
         ask(SpawnActors(self._info.mesh_id, msg, actor_cls.__name__)).get(REQUEST_TIMEOUT)
-        return ActorMesh(self._info.mesh_id, name, actor_cls.__name__, frozenset(table), self._shape)
+        mesh = ActorMesh(self._info.mesh_id, name, actor_cls.__name__, frozenset(table), self._shape)
+        return cast(A, mesh)  # an ActorMesh[A], which a type checker sees as its actor class (as in Monarch)
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
         """Stop every worker of the job, and the proc meshes its actors spawned (idempotent). Done at once

@@ -10,7 +10,7 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -26,6 +26,7 @@ from monarch.runtime.control.futures import Future
 from monarch.runtime.engine import kernels
 from monarch.runtime.session import torch_state
 from monarch.runtime.session.session import Session, all_sessions, session_of
+from monarch.shape import MeshLike
 from monarch.tensor.dynamo import eager_under_torch_compile
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
@@ -33,9 +34,10 @@ from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec
 
 PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
+M = TypeVar("M", bound=MeshLike)
 
 
-def _factory(procs: Any, shape: Sequence[int], dtype: torch.dtype | None, placements: PlacementsArg,
+def _factory(procs: MeshLike, shape: Sequence[int], dtype: torch.dtype | None, placements: PlacementsArg,
              make: Callable[[Emit, Spec], Local], what: str, seeded: bool = False) -> MeshTensor:
     s = session_of(procs)
     shape = _dims(shape)
@@ -57,7 +59,7 @@ def _dims(shape: Sequence[Any]) -> tuple[int, ...]:
 
 
 @eager_under_torch_compile
-def full(*shape: Any, fill_value: float, mesh: Any, placements: PlacementsArg = None,
+def full(*shape: Any, fill_value: float, mesh: MeshLike, placements: PlacementsArg = None,
          dtype: torch.dtype | None = None) -> MeshTensor:
     if dtype is None and isinstance(fill_value, bool):
         dtype = torch.bool
@@ -67,20 +69,23 @@ def full(*shape: Any, fill_value: float, mesh: Any, placements: PlacementsArg = 
         "aten::full", (list(spec.local_shape(ctx.coords)), fill_value), {"dtype": spec.dtype}, ctx.out_ids), "full")
 
 
-def zeros(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None) -> MeshTensor:
+def zeros(*shape: Any, mesh: MeshLike, placements: PlacementsArg = None,
+          dtype: torch.dtype | None = None) -> MeshTensor:
     return full(*shape, fill_value=0, mesh=mesh, placements=placements, dtype=dtype or torch.get_default_dtype())
 
 
-def ones(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None) -> MeshTensor:
+def ones(*shape: Any, mesh: MeshLike, placements: PlacementsArg = None,
+         dtype: torch.dtype | None = None) -> MeshTensor:
     return full(*shape, fill_value=1, mesh=mesh, placements=placements, dtype=dtype or torch.get_default_dtype())
 
 
-def empty(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None) -> MeshTensor:
+def empty(*shape: Any, mesh: MeshLike, placements: PlacementsArg = None,
+          dtype: torch.dtype | None = None) -> MeshTensor:
     """Like zeros (workers fill new buffers, so no uninitialised memory is ever read)."""
     return zeros(*shape, mesh=mesh, placements=placements, dtype=dtype)
 
 
-def _random(kind: str, shape: Sequence[Any], mesh: Any, placements: PlacementsArg, dtype: torch.dtype | None,
+def _random(kind: str, shape: Sequence[Any], mesh: MeshLike, placements: PlacementsArg, dtype: torch.dtype | None,
             generator: torch.Generator | None, **kw: Any) -> MeshTensor:
     """Drawn from monarch.manual_seed's stream on the workers; or, given the user's `generator`, drawn
     with it here (the numbers and generator state plain torch gives) and distributed."""
@@ -94,7 +99,7 @@ def _random(kind: str, shape: Sequence[Any], mesh: Any, placements: PlacementsAr
     return _factory(mesh, shape, dtype, placements, make, kind, seeded=True)
 
 
-def _draws_here(mesh: Any, what: str) -> None:
+def _draws_here(mesh: MeshLike, what: str) -> None:
     """A random tensor drawn on the controller cannot be part of a compiled step: the step would replay the
     one draw of its recording on every call."""
     if session_of(mesh).capturing:
@@ -105,25 +110,25 @@ def _draws_here(mesh: Any, what: str) -> None:
 
 
 @eager_under_torch_compile
-def randn(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
+def randn(*shape: Any, mesh: MeshLike, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
           generator: torch.Generator | None = None) -> MeshTensor:
     return _random("randn", shape, mesh, placements, dtype, generator)
 
 
 @eager_under_torch_compile
-def rand(*shape: Any, mesh: Any, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
+def rand(*shape: Any, mesh: MeshLike, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
          generator: torch.Generator | None = None) -> MeshTensor:
     return _random("rand", shape, mesh, placements, dtype, generator)
 
 
 @eager_under_torch_compile
-def randint(low: int, high: int, shape: Sequence[int], *, mesh: Any, placements: PlacementsArg = None,
+def randint(low: int, high: int, shape: Sequence[int], *, mesh: MeshLike, placements: PlacementsArg = None,
             dtype: torch.dtype | None = None, generator: torch.Generator | None = None) -> MeshTensor:
     return _random("randint", shape, mesh, placements, dtype or torch.int64, generator, low=low, high=high)
 
 
 @eager_under_torch_compile
-def arange(start: float, end: float | None = None, step: float = 1, *, mesh: Any, placements: PlacementsArg = None,
+def arange(start: float, end: float | None = None, step: float = 1, *, mesh: MeshLike, placements: PlacementsArg = None,
            dtype: torch.dtype | None = None) -> MeshTensor:
     if end is None:
         start, end = 0, start
@@ -136,7 +141,7 @@ def arange(start: float, end: float | None = None, step: float = 1, *, mesh: Any
 
 
 @eager_under_torch_compile
-def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg = None) -> MeshTensor:
+def distribute_tensor(tensor: torch.Tensor, mesh: MeshLike, placements: PlacementsArg = None) -> MeshTensor:
     """A MeshTensor holding a copy of `tensor`'s data, each rank receiving only its own piece.
 
     A Partial placement keeps the data on the first rank of that dim (the others hold the reduction's
@@ -153,7 +158,7 @@ def distribute_tensor(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg
     return _copy(tensor, mesh, placements).requires_grad_(tensor.requires_grad)
 
 
-def _copy(tensor: torch.Tensor, mesh: Any, placements: PlacementsArg) -> MeshTensor:
+def _copy(tensor: torch.Tensor, mesh: MeshLike, placements: PlacementsArg) -> MeshTensor:
     """distribute_tensor of a plain tensor or of a MeshTensor of another mesh, outside autograd."""
     s = session_of(mesh)
     if isinstance(tensor, MeshTensor):
@@ -174,7 +179,7 @@ class _Distribute(torch.autograd.Function):
     """distribute_tensor of a tensor computed from others: the gradient goes back where the tensor lives."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, mesh: Any, placements: PlacementsArg) -> MeshTensor:
+    def forward(ctx: Any, tensor: torch.Tensor, mesh: MeshLike, placements: PlacementsArg) -> MeshTensor:
         ctx.source = (tensor.mesh, tensor.placements) if isinstance(tensor, MeshTensor) else None
         return _copy(tensor, mesh, placements)
 
@@ -184,7 +189,7 @@ class _Distribute(torch.autograd.Function):
         return (whole if ctx.source is None else _copy(whole, *ctx.source)), None, None
 
 
-def rank(procs: Any, dim: str) -> MeshTensor:
+def rank(procs: MeshLike, dim: str) -> MeshTensor:
     """A tensor of shape (size(dim),) holding 0..n-1, sharded over `dim`: each rank holds its own index."""
     n = procs.size(dim)
     return arange(n, mesh=procs, placements={dim: Shard(0)})
@@ -197,7 +202,7 @@ def fetch(t: MeshTensor) -> Future[torch.Tensor]:
 
 
 @eager_under_torch_compile
-def synchronize(procs: Any | None = None, timeout: float | None = None) -> None:
+def synchronize(procs: MeshLike | None = None, timeout: float | None = None) -> None:
     """Run everything pending on `procs` (or on every running mesh) and raise remote errors."""
     targets = [session_of(procs)] if procs is not None else [s for s in all_sessions() if s.live]
     for s in targets:
@@ -237,7 +242,7 @@ class _Factories(TorchFunctionMode):
     is warned once, as is a sparse or nested factory (MeshTensors are dense)."""
     NATIVE = {torch.randn: randn, torch.rand: rand, torch.zeros: zeros, torch.ones: ones, torch.empty: empty}
 
-    def __init__(self, procs: Any) -> None:
+    def __init__(self, procs: MeshLike) -> None:
         super().__init__()
         self.procs = procs
 
@@ -300,7 +305,7 @@ def _warn_plain(func: Any, device: Any) -> None:
 
 
 @contextlib.contextmanager
-def activate(procs: Any) -> Iterator[Any]:
+def activate(procs: M) -> Iterator[M]:
     """`procs` as the default device: torch factories make replicated MeshTensors on it (see _Factories)."""
     with _Factories(procs):
         yield procs

@@ -44,7 +44,7 @@ class LocalMesh(MeshView):
 
     def __init__(self, dims: dict[str, int]) -> None:
         self._shape = Shape.row_major(tuple(dims), tuple(int(n) for n in dims.values()))
-        self._session = Session(self, LockstepRunner(self._shape))
+        self.session = Session(self, LockstepRunner(self._shape))  # of its one view
 
     def _with_shape(self, shape: Shape) -> LocalMesh:
         raise MeshError("a LocalMesh cannot be sliced; build a LocalMesh with the dims you need")

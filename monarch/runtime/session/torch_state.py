@@ -21,9 +21,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from monarch.errors import MonarchError, ShardingError
+from monarch.shape import MeshLike
 from monarch.tensor.meshtensor import MeshTensor
 
-Distribute = Callable[[torch.Tensor, Any, Any], MeshTensor]  # monarch.distribute_tensor
+Distribute = Callable[[torch.Tensor, MeshLike, Any], MeshTensor]  # monarch.distribute_tensor
 _distribute: list[Distribute] = []  # handed in by the tensor API, which sits above this module
 
 

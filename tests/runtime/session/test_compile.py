@@ -163,7 +163,7 @@ def test_worker_memory_stays_flat_over_many_steps() -> None:
         step(x, y)
         if i in (20, 299):
             monarch.synchronize(mesh)
-            sizes.append([len(e.store) for e in mesh._session.runner.engines])
+            sizes.append([len(e.store) for e in mesh.session.runner.engines])
     assert sizes[0] == sizes[1], f"buffers per rank grew from {sizes[0]} to {sizes[1]}"
 
 
