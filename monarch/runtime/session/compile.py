@@ -1,9 +1,9 @@
 """`monarch.compile`: a training step traced once into one graph, installed on the workers, replayed.
 
 A call with a new signature runs the step while recording it (a sync point inside raises TraceError),
-partitions the whole graph once, installs one program per rank and runs it. Later calls with the same
-signature send each worker one small message naming the program, the buffers it reads and the ones it
-writes, and return new lazy MeshTensors. The signature covers the tensor arguments' shapes, dtypes and
+partitions the whole graph once, installs one program per rank (installed.py) and runs it. Later calls
+with the same signature send each worker one small message naming the program, the buffers it reads and
+the ones it writes, and return new lazy MeshTensors. The signature covers the tensor arguments' shapes, dtypes and
 placements and the Python scalars passed or named by the step's own code; each program's guards (guards.py)
 cover the state its recording met: optimizers, modules, parameters' `.grad`. A change retraces (logged at
 debug level with the reason). Scalars a helper function reads from its own closure or globals are baked in.
@@ -14,9 +14,8 @@ import functools
 import itertools
 import logging
 import weakref
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -25,16 +24,16 @@ from monarch import config
 from monarch.errors import TraceError
 from monarch.graph.partition import partition
 from monarch.graph.schedule import overlap
-from monarch.graph.trace import Capture, Tracer
+from monarch.graph.trace import Capture
 from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.control.commands import InvokeProgram
-from monarch.runtime.session.guards import CONSTANTS, Guards, Watch, capturable_on_cpu, known_optimizers, \
-    make_capturable
+from monarch.runtime.session.guards import CONSTANTS, Watch, capturable_on_cpu, known_optimizers, make_capturable
+from monarch.runtime.session.installed import FromArgument, FromGrad, FromState, Input, InstalledStep, Kept, \
+    KeptGrad, feeds
 from monarch.runtime.session.local import LocalMesh
 from monarch.runtime.session.session import Session, all_sessions, session_of
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Replicate
-from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec, spec_of
 
 log = logging.getLogger("monarch.compile")
@@ -42,186 +41,12 @@ _pids = itertools.count(1)
 _LEAVES = (torch.Tensor, *CONSTANTS)
 
 
-class FromArgument(NamedTuple):
-    """A program input that each call fills with its MeshTensor argument `slot` (of the flattened arguments)."""
-    id: int  # placeholder id
-    slot: int
-    spec: Spec
-
-    def tensor(self, flat: list[Any]) -> MeshTensor | None:
-        return flat[self.slot]
-
-
-class FromState(NamedTuple):
-    """A program input read from a MeshTensor the step reaches without being passed it (a parameter,
-    optimizer state), held weakly: once it is gone the program no longer fits."""
-    id: int  # placeholder id
-    ref: weakref.ref[MeshTensor]
-    spec: Spec
-
-    def tensor(self, flat: list[Any]) -> MeshTensor | None:
-        return self.ref()
-
-
-class FromGrad(NamedTuple):
-    """A program input read from a parameter's `.grad` (backward accumulates into it), found through the
-    parameter at each call: gradients come and go (zero_grad), parameters stay. Held weakly."""
-    id: int  # placeholder id
-    param: weakref.ref[MeshTensor]
-    spec: Spec
-
-    def tensor(self, flat: list[Any]) -> MeshTensor | None:
-        p = self.param()
-        return None if p is None else p.grad
-
-
-Input = FromArgument | FromState | FromGrad
-
-
-class Kept(NamedTuple):
-    """A result the step leaves in a MeshTensor it does not return (updated parameters, optimizer state)."""
-    id: int  # produced id
-    ref: weakref.ref[MeshTensor]
-
-    def current(self) -> MeshTensor | None:
-        return self.ref()
-
-    def holder(self) -> Any:
-        return self.ref()
-
-    def bind(self, s: Session, buffer: int) -> None:
-        self.ref()._handle = s.tracer.external(buffer)
-
-
-class KeptGrad(NamedTuple):
-    """A gradient the step leaves in a parameter's `.grad`: in the MeshTensor there, or (after zero_grad set
-    it to None) in a new one, as torch's backward does."""
-    id: int  # produced id
-    param: weakref.ref[MeshTensor]
-    spec: Spec
-
-    def current(self) -> MeshTensor | None:
-        p = self.param()
-        return None if p is None else p.grad
-
-    def holder(self) -> Any:
-        return self.param()
-
-    def bind(self, s: Session, buffer: int) -> None:
-        p = self.param()
-        if p.grad is None:
-            p.grad = MeshTensor(self.spec, s, s.tracer.external(buffer))
-        else:
-            p.grad._handle = s.tracer.external(buffer)
-
-
-@dataclass(frozen=True)
-class Settled:
-    """How calls bind after one that moved no handle: valid while nothing else was recorded (the
-    tracer is still at `epoch`) and none of the buffers `reads` was released."""
-    epoch: int
-    reads: frozenset[int]                # buffer ids of the inputs that are not arguments
-    held: tuple[tuple[int, int], ...]    # their (placeholder id, buffer id) pairs
-    outputs: tuple[tuple[int, int], ...]  # (produced id, buffer id) of every kept result
-
-    def valid(self, tracer: Tracer) -> bool:
-        return self.epoch == tracer.epoch and self.reads.isdisjoint(tracer.released)
-
-
-@dataclass
-class Program:
-    """One installed program and how a call binds to it."""
-    pid: int
-    session: Session
-    inputs: tuple[Input, ...]
-    outputs: tuple[Kept | KeptGrad, ...]
-    returns: tuple[tuple[int, Spec], ...]              # produced ids of the returned tensors, their specs
-    feeds: tuple[tuple[int, Any], ...]                 # feed id, argument slot or getter (replicated)
-    salt: int | None                                   # feed id of the random ops' per-call salt
-    spec: pytree.TreeSpec                              # structure of the return value
-    guards: Guards                                     # the Python state it was recorded with
-    settles: bool = True                               # whether calls may bind as the previous (no gradients)
-    settled: Settled | None = None
-
-    def stale(self, flat: list[Any]) -> str | tuple[tuple[int, int], ...]:
-        """Why the program no longer fits its inputs, or (when it fits) the buffers this call reads."""
-        settled = self.settled
-        if settled is not None and settled.valid(self.session.tracer):
-            return settled.held + self._check(flat, [i for i in self.inputs if isinstance(i, FromArgument)])
-        self.settled = None
-        return self._check(flat, self.inputs)
-
-    def _check(self, flat: list[Any], which: Iterable[Input]) -> Any:
-        inputs = []
-        for i in which:
-            t = i.tensor(flat)
-            if t is None:
-                return f"input buffer %{i.id} is gone"
-            if t._spec is not i.spec and t._spec != i.spec:
-                return f"input {i.spec} is now {t._spec}"
-            inputs.append((i.id, t._handle.id))
-        return tuple(inputs)
-
-    def run(self, flat: list[Any], inputs: tuple[tuple[int, int], ...]) -> Any:
-        s = self.session
-        if s.tracer.n_ops:
-            s.flush()  # work recorded between calls runs first
-        settled = self.settled
-        outputs, moved = self._outputs(s) if settled is None else (settled.outputs, [])
-        returns = [(p, next(s.tracer.ids)) for p, _ in self.returns]
-        s.invoke(InvokeProgram(self.pid, inputs, outputs + tuple(returns), feeds(self.feeds, flat, self.salt),
-                               s.tracer.take_released()))
-        for k, id in moved:
-            k.bind(s, id)
-        if settled is not None:
-            self.settled = replace(settled, epoch=s.tracer.epoch)
-        elif not moved and self.settles and all(k.current() is not None for k in self.outputs):
-            held = tuple(pair for pair, i in zip(inputs, self.inputs, strict=True) if isinstance(i, FromState))
-            self.settled = Settled(s.tracer.epoch, frozenset(b for _, b in held), held, outputs)
-        outs = [MeshTensor(spec, s, s.tracer.external(id)) for (_, spec), (_, id) in zip(self.returns, returns,
-                                                                                         strict=True)]
-        return pytree.tree_unflatten(outs, self.spec)
-
-    def _outputs(self, s: Session) -> tuple[tuple[tuple[int, int], ...], list[tuple[Kept | KeptGrad, int]]]:
-        """Where each kept result goes: into the buffer its MeshTensor holds now, when nothing else
-        holds that buffer (parameters and optimizer state are updated in place, no handle changes);
-        else into a new buffer the MeshTensor is moved to (or, for a `.grad` that is None, made for)."""
-        outputs, moved = [], []
-        for k in self.outputs:
-            t = k.current()
-            if t is not None and s.tracer.live.get(t._handle.id) == 1:
-                outputs.append((k.id, t._handle.id))
-                continue
-            new = next(s.tracer.ids)
-            outputs.append((k.id, new))
-            if k.holder() is None:
-                s.tracer.released.append(new)  # nobody keeps it: freed with the next call
-            else:
-                moved.append((k, new))
-        return tuple(outputs), moved
-
-
-def feeds(slots: tuple[tuple[int, Any], ...], flat: list[Any], salt: int | None) -> tuple[tuple[int, Any], ...]:
-    """The plain tensor arguments' data under their feed ids (every rank gets all of it), as numpy
-    arrays where numpy has the dtype: they pickle many times faster than tensors; and under `salt` a new
-    draw of monarch.manual_seed's stream, so that the program's random ops draw new numbers each call."""
-    data = tuple((fid, _portable(flat[slot].detach() if isinstance(slot, int) else slot())) for fid, slot in slots)
-    return data if salt is None else data + ((salt, _portable(torch.tensor(next_seed(), device="cpu"))),)
-
-
-def _portable(t: torch.Tensor) -> Any:
-    try:
-        return t.contiguous().numpy()
-    except TypeError:  # bfloat16 and friends
-        return t.contiguous()
-
-
 class CompiledStep:
     """The callable `monarch.compile` returns; `traces` counts how often it recorded the step."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.cache: dict[Any, list[Program]] = {}  # signature -> programs, newest last, with their guards
+        self.cache: dict[Any, list[InstalledStep]] = {}  # signature -> programs, newest last, with their guards
         self.traces = 0
         functools.update_wrapper(self, fn)
 
@@ -230,13 +55,14 @@ class CompiledStep:
             pytree.tree_flatten((args, kwargs))[0]
         key = signature(flat, self.fn)
         programs = self.cache.setdefault(key, [])
-        why: Any = "first call with this signature"
+        why: str | None = "first call with this signature"
         for program in reversed(list(programs)):
             why = program.guards.why_not()
             if why is None:
-                why = program.stale(flat)
-                if isinstance(why, tuple):
-                    return program.run(flat, why)
+                fit = program.fit(flat)
+                if fit.why is None:
+                    return program.run(flat, fit.reads)
+                why = fit.why
                 programs.remove(program)  # an input is gone or placed anew: it never fits again
                 program.session.forget(program.pid)
         log.debug("monarch.compile: tracing %s (%s)", _name(self.fn), why)
@@ -251,7 +77,7 @@ class CompiledStep:
             programs[:] = [*programs[1 - _KEEP:], program]
         return result
 
-    def _trace(self, args: tuple, kwargs: dict, flat: list[Any], target: Session) -> tuple[Program | None, Any]:
+    def _trace(self, args: tuple, kwargs: dict, flat: list[Any], target: Session) -> tuple[InstalledStep | None, Any]:
         """Run the step while recording. Plain tensor arguments enter as replicated MeshTensors that
         each call fills (the step's own code then shards them, e.g. data_parallel's input hook). No
         program is kept when the step met an Adam whose step counts were still on the controller."""
@@ -322,7 +148,7 @@ def home(near: list[Any]) -> Session:
                      "use modules or optimizers whose parameters are MeshTensors")
 
 
-def install(s: Session, cap: Capture, result: Any, flat: list[Any], watch: Watch) -> tuple[Program, Any]:
+def install(s: Session, cap: Capture, result: Any, flat: list[Any], watch: Watch) -> tuple[InstalledStep, Any]:
     """Close the recorded graph, install it as a program and run it for this call."""
     returned, spec = pytree.tree_flatten(result)
     if not all(isinstance(t, MeshTensor) for t in returned):
@@ -349,8 +175,8 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any], watch: Watch
     fed = tuple((n.meta["ids"][0], n.meta["feed"]) for n in nodes if "feed" in n.meta)
     salt = cap.salt.meta["ids"][0] if cap.salt is not None else None
     grads = any(isinstance(x, (FromGrad, KeptGrad)) for x in (*inputs, *outputs))
-    program = Program(next(_pids), s, inputs, outputs, tuple((t._handle.id, t._spec) for t in returned),
-                      fed, salt, spec, watch.guards(arguments), settles=not grads)
+    program = InstalledStep(next(_pids), s, inputs, outputs, tuple((t._handle.id, t._spec) for t in returned),
+                            fed, salt, spec, watch.guards(arguments), settles=not grads)
     same = tuple((i.id, i.id) for i in inputs)
     outs = tuple((k.id, k.id) for k in outputs) + tuple((i, i) for i, _ in program.returns)
     s.invoke(InvokeProgram(program.pid, same, outs, feeds(fed, flat, salt)), programs)
