@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import weakref
 from collections.abc import Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 from monarch.errors import MeshError, MonarchError
 from monarch.runtime.actors.endpoint import INITIALIZED, STOP
@@ -20,7 +20,8 @@ from monarch.runtime.control.futures import CallState, Future, ValueMesh, mesh_r
 from monarch.shape import MeshView, Shape
 
 A = TypeVar("A")  # the actor class of an ActorMesh
-R = TypeVar("R")
+P = ParamSpec("P")  # an endpoint's parameters
+R = TypeVar("R")  # its result
 HOLDS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # proc mesh id -> what keeps it
 # running while a ProcMesh or ActorMesh of it exists on the client (proc_mesh.Hold)
 
@@ -45,7 +46,7 @@ class ActorMesh(MeshView, Generic[A]):
     def _with_shape(self, shape: Shape) -> ActorMesh[A]:
         return ActorMesh(self._mesh_id, self._name, self._cls_name, self._endpoints, shape, self._spawned)
 
-    def __getattr__(self, attr: str) -> EndpointRef:
+    def __getattr__(self, attr: str) -> EndpointRef[..., Any]:
         if attr.startswith("_") or attr not in self._endpoints:
             raise AttributeError(f"actor class {self._cls_name} has no endpoint {attr!r}; "
                                  f"its endpoints are {sorted(self._endpoints)}")
@@ -94,10 +95,11 @@ def resolved(value: R) -> Future[R]:
 _SINGLETON = Shape.row_major((), ())
 
 
-class EndpointRef:
-    """One endpoint of an actor mesh view, with the ways to call it."""
+class EndpointRef(Generic[P, R]):
+    """One endpoint of an actor mesh view, with the ways to call it (endpoint.MeshEndpoint): P and R are
+    the endpoint method's parameters and result."""
 
-    def __init__(self, mesh: ActorMesh, name: str) -> None:
+    def __init__(self, mesh: ActorMesh[Any], name: str) -> None:
         self._mesh = mesh
         self._name = name
 
@@ -120,12 +122,12 @@ class EndpointRef:
         the view's fields (a plain tuple: it pickles in a fraction of a Shape's time)."""
         return None if shape == self._mesh._spawned else (shape.labels, shape.sizes, shape.strides, shape.offset)
 
-    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[Any]]:
+    def call(self, *args: P.args, **kwargs: P.kwargs) -> Future[ValueMesh[R]]:
         """Call every actor of the view; the Future holds a ValueMesh of their answers."""
         state, c = self._send(self._mesh._shape, args, kwargs, True)
         return Future(state, c, mesh_result)  # type: ignore[arg-type]
 
-    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+    def call_one(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call the only actor of a singleton view."""
         shape = self._mesh._shape
         if len(shape) != 1:
@@ -134,7 +136,7 @@ class EndpointRef:
         state, c = self._send(shape, args, kwargs, True)
         return Future(state, c, one_result)  # type: ignore[arg-type]
 
-    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+    def choose(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call one actor of the view, picked at random."""
         state, c = self._send(_one_of(self._mesh._shape), args, kwargs, True)
         return Future(state, c, one_result)  # type: ignore[arg-type]
@@ -147,11 +149,11 @@ class EndpointRef:
                     view=self._view(shape), port=port)
         c.send(self._mesh._mesh_id, shape, call, None)
 
-    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+    def broadcast(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Send to every actor of the view without waiting; failures are printed by the failing rank."""
         self._send(self._mesh._shape, args, kwargs, False)
 
-    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
+    def stream(self, *args: P.args, **kwargs: P.kwargs) -> Iterator[Future[R]]:
         """Call every actor; yield one Future per actor at once, the n-th holding the n-th answer to arrive
         (`for f in stream(): f.get()`, or `await f` in a coroutine)."""
         state, c = self._send(self._mesh._shape, args, kwargs, True)
