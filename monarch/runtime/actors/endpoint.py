@@ -104,7 +104,11 @@ def endpoint(fn: Callable[..., Any] | None = None, /, *, explicit_response_port:
              propagate: Any = None) -> Any:
     """Mark an actor method as an endpoint: `@endpoint`, or `@endpoint(explicit_response_port=True)`."""
     if fn is None:
-        return lambda f: endpoint(f, explicit_response_port=explicit_response_port)
+        return lambda f: _marked(f, explicit_response_port)
+    return _marked(fn, explicit_response_port)
+
+
+def _marked(fn: Callable[..., Any], explicit_response_port: bool) -> Endpoint[..., Any]:
     if not callable(fn):
         raise TypeError(f"@endpoint decorates a method, got {fn!r}")
     return Endpoint(fn, explicit_response_port)

@@ -118,7 +118,7 @@ class ProcMesh(MeshView):
         extra = codec.dumps({"creator": creator, "proc_mesh": self})  # what the actors' context() tells
         msg = SpawnActor(name, codec.dumps(actor_cls), codec.dumps((args, kwargs)), self._shape, extra)
         ask(SpawnActors(self._info.mesh_id, msg, actor_cls.__name__)).get(REQUEST_TIMEOUT)
-        mesh = ActorMesh(self._info.mesh_id, name, actor_cls.__name__, frozenset(table), self._shape)
+        mesh: ActorMesh[A] = ActorMesh(self._info.mesh_id, name, actor_cls.__name__, frozenset(table), self._shape)
         return cast(A, mesh)  # an ActorMesh[A], which a type checker sees as its actor class (as in Monarch)
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
