@@ -9,6 +9,7 @@ actor host's (`Host`, monarch/runtime/actors/host.py). Threads that actors start
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import select
 import socket
@@ -40,6 +41,7 @@ Handlers = dict[type, Callable[[Any], None]]  # by message type; Reply is run as
 class Host(Protocol):
     """What the frame loop needs of the actors it runs messages for (actors/host.py's ActorHost)."""
     freed: int  # async calls that ended so far (their actor's waiting messages may run now)
+    loop: asyncio.AbstractEventLoop  # the async endpoints' event loop
 
     def waits(self, msg: Any) -> bool:
         """Whether `msg` waits for an actor that is mid-call."""
@@ -236,6 +238,11 @@ class Worker:
         return taken, self._stopped or any(type(m) is Stop for m in self._inbox)
 
     # -- client protocol: calls that actors make on other meshes ---------------------------------
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The actors' event loop: a Future awaited in an async endpoint is settled on it (futures.py)."""
+        return self.host.loop
+
     def next_call_id(self) -> int:
         return next(self._ids)
 
