@@ -24,7 +24,7 @@ from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.control.client import current_rank, current_size
 from monarch.runtime.control.commands import MeshFailure
 from monarch.runtime.control.futures import Future, ValueMesh
-from monarch.runtime.control.supervise import unhandled_fault_hook
+from monarch.runtime.control.handlers.supervise import unhandled_fault_hook
 from monarch.runtime.debug.console import DebugController, debug_controller
 from monarch.shape import Extent, Point, Shape
 

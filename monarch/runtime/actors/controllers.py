@@ -2,7 +2,7 @@
 controllers: a replay buffer, a store, a coordinator every actor can find by name).
 
 Whoever asks first (the client or any actor) makes the controller of the client spawn it, alone on a
-one-process mesh of this host (control/requests.py); every later ask, from anywhere, gets the same actor
+one-process mesh of this host (control/handlers/requests.py); every later ask, from anywhere, gets the same actor
 mesh. The client owns it. The controller answers with the mesh's ProcsInfo; the ActorMesh is made here.
 """
 from __future__ import annotations

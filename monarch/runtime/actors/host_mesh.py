@@ -17,7 +17,8 @@ from monarch.errors import MeshError, SpawnError
 from monarch.runtime.actors.actor_mesh import resolved
 from monarch.runtime.actors.context import context
 from monarch.runtime.actors.proc_mesh import Hold, ProcMesh, ask
-from monarch.runtime.control import launch, requests
+from monarch.runtime.control import launch
+from monarch.runtime.control.handlers import requests
 from monarch.runtime.control.client import client
 from monarch.runtime.control.commands import SpawnProcs
 from monarch.runtime.control.controller import controller

@@ -3,7 +3,7 @@
 A ProcMesh is a named-dim view of one MPI job (spawned by a HostMesh, host_mesh.py). Its dims are the
 `per_host` dims, with a leading `hosts` dim when the host mesh has more than one host. Stopping any view
 stops the whole job. It is a reference that pickles: inside an actor it spawns and stops through the
-controller (`ask`, control/requests.py).
+controller (`ask`, control/handlers/requests.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from monarch.runtime.actors.actor_mesh import HOLDS, ActorMesh, resolved
 from monarch.runtime.actors.context import context
 from monarch.runtime.actors.endpoint import Actor, endpoints_of
 from monarch.runtime.actors.log_options import Applied, logging_option
-from monarch.runtime.control import codec, requests
+from monarch.runtime.control import codec
+from monarch.runtime.control.handlers import requests
 from monarch.runtime.control.client import client, tensor_api
 from monarch.runtime.control.commands import MeshRequest, ProcsInfo, SpawnActor, SpawnActors, StopProcs
 from monarch.runtime.control.conn import Job
@@ -69,7 +70,7 @@ class ProcMesh(MeshView):
 
     A ProcMesh is a reference: it pickles (mesh id, name, shape, hosts, pids), so an actor given one can
     spawn actors on it and call them; inside an actor, spawning and stopping are asked of the controller
-    (control/requests.py). On the controller `_mesh` is the job's record; inside an actor it is None.
+    (control/handlers/requests.py). On the controller `_mesh` is the job's record; inside an actor it is None.
     """
 
     def __init__(self, info: ProcsInfo, shape: Shape | None = None, mesh: Job | None = None,
@@ -228,7 +229,7 @@ def _record(mesh_id: int) -> Job | None:
 
 
 def ask(op: MeshRequest, result: Callable[[CallState], Any] = one_result) -> Future[Any]:
-    """Make mesh request `op` (control/requests.py): run at once on the controller; from a worker, sent to the
+    """Make mesh request `op` (control/handlers/requests.py): run at once on the controller; from a worker, sent to the
     controller in the running actor's name (then the Future is done when the controller answered). `result`
     makes the Future's value of the answer."""
     c = client()

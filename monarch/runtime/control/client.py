@@ -23,7 +23,7 @@ class Client(Waiter, Protocol):
     is_controller: bool
 
     def ask(self, op: MeshRequest, state: CallState) -> None:
-        """Have the controller run mesh request `op` (control/requests.py) for the running actor, or for the
+        """Have the controller run mesh request `op` (control/handlers/requests.py) for the running actor, or for the
         client on the controller; its answer settles `state`."""
 
     def send(self, mesh_id: int, shape: Shape, call: Call, state: CallState | None) -> None: ...

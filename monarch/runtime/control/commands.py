@@ -279,7 +279,7 @@ class ProcsInfo:
 
 @dataclass(frozen=True)
 class GetController:
-    """Mesh request (control/requests.py): the singleton actor mesh `name` of the process tree, spawned as
+    """Mesh request (control/handlers/requests.py): the singleton actor mesh `name` of the process tree, spawned as
     `cls(*args)` on a one-process mesh the first time; answered with that mesh's ProcsInfo. `context`: a
     pickled function of that ProcsInfo giving the actors' SpawnActor.context."""
     name: str
@@ -293,7 +293,7 @@ class GetController:
 
 @dataclass(frozen=True)
 class SpawnProcs:
-    """Mesh request (control/requests.py): start a proc mesh of `shape` with the launcher kept under key
+    """Mesh request (control/handlers/requests.py): start a proc mesh of `shape` with the launcher kept under key
     `launcher` (0: this host's); answered with its ProcsInfo. `call_id`/`actor`: who asks, from a worker.
     An empty `name` is the controller's next default: procs, procs_1, procs_2, ..."""
     name: str

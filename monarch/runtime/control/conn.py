@@ -237,7 +237,7 @@ class Peers(Protocol):
 
 
 class Jobs(Protocol):
-    """The Controller as its handlers in requests.py, supervise.py and collect.py use it: its jobs, how to
+    """The Controller as its handlers in handlers/ (requests.py, supervise.py, collect.py) use it: its jobs, how to
     start, reach and stop them, and the channel receivers open on the client."""
     meshes: dict[int, Job]
     ports: dict[int, Inbox]

@@ -4,8 +4,8 @@ One background thread polls every socket and pipe (epoll): it authenticates new 
 replies to CallStates, forwards actor-to-actor calls, copies worker output to this process's stdout and
 stderr, and fails every pending call of a mesh whose worker died or went silent (heartbeat.py); a peer's
 messages dispatch by type through `HANDLERS`, the one table of every message the controller handles (its
-handlers live in this module, requests.py, supervise.py, breakpoints.py and collect.py). User threads send
-directly. Telemetry (fetching the workers' events, SQL over them) is the Collector of collect.py.
+handlers live in this module, handlers/: requests.py, supervise.py, breakpoints.py and collect.py). User threads send
+directly. Telemetry (fetching the workers' events, SQL over them) is the Collector of handlers/collect.py.
 """
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ from typing import Any
 
 from monarch import config
 from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
-from monarch.runtime.control import codec, heartbeat, launch, requests, supervise
-from monarch.runtime.control.breakpoints import on_paused, on_resumed
-from monarch.runtime.control.collect import Collector, on_events
+from monarch.runtime.control import codec, heartbeat, launch
+from monarch.runtime.control.handlers import requests, supervise
+from monarch.runtime.control.handlers.breakpoints import on_paused, on_resumed
+from monarch.runtime.control.handlers.collect import Collector, on_events
 from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, ActorFault, Busy, Call, DebugPaused, DebugResumed,
                                               Escalate, Forward, GetController, Heartbeat, Hello, MeshFailure,
                                               MeshRequest, PortSend, ProcExit, Reply, SpawnActors, SpawnProcs, Stop,

@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from monarch.errors import MeshError
 from monarch.runtime.control import codec
-from monarch.runtime.control.breakpoints import BREAKPOINTS
+from monarch.runtime.control.handlers.breakpoints import BREAKPOINTS
 from monarch.shape import MeshView, Point, Shape
 
 R = TypeVar("R")

@@ -271,7 +271,7 @@ class Worker:
             self._lost(TransportError(f"rank {self.rank}: the control connection is closed"))
 
     def ask(self, op: MeshRequest, state: CallState) -> None:
-        """Send a mesh request (control/requests.py) to the controller for the running actor (it owns what the
+        """Send a mesh request (control/handlers/requests.py) to the controller for the running actor (it owns what the
         request makes); its Reply settles `state`."""
         self._pending[op.call_id] = state
         self.post(replace(op, actor=self.host.actor_name()))

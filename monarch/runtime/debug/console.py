@@ -1,4 +1,4 @@
-"""The `monarch_dbg>` console over the paused ranks (the controller's record of them: control/breakpoints.py),
+"""The `monarch_dbg>` console over the paused ranks (the controller's record of them: control/handlers/breakpoints.py),
 with Monarch's commands; and `debug_controller()`.
 
 `monarch debug` (another terminal) runs a DebugConsole in the controller through its admin socket (admin.py);
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from monarch.errors import MonarchError
-from monarch.runtime.control.breakpoints import BREAKPOINTS, Breakpoints, PausedRank
+from monarch.runtime.control.handlers.breakpoints import BREAKPOINTS, Breakpoints, PausedRank
 from monarch.runtime.control.futures import CallState, Future, one_result
 from monarch.shape import Shape
 

@@ -3,7 +3,7 @@
 `Debugger.install()` (worker start-up) makes both open a `RelayPdb` whose input and output go to the controller:
 each time pdb reads a line the worker sends `DebugPaused` (where it stands, what it printed) and waits for a
 `DebugInput`, and `DebugResumed` when the session ends (continue, quit, or the endpoint returned). The
-controller's side, and `monarch debug`, are control/breakpoints.py and debug/console.py.
+controller's side, and `monarch debug`, are control/handlers/breakpoints.py and debug/console.py.
 """
 from __future__ import annotations
 

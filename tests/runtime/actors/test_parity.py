@@ -146,7 +146,7 @@ class UsesRegistry(Actor):
 @pytest.fixture
 def singletons() -> Iterator[None]:
     """Controllers live as long as the client; the test stops the ones it made."""
-    from monarch.runtime.control import requests
+    from monarch.runtime.control.handlers import requests
     from monarch.runtime.control.controller import controller
     yield
     for mesh_id in list(requests._singletons.values()):
