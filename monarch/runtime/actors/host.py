@@ -8,7 +8,6 @@ worker's handler table.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import selectors
 import sys
 import time
@@ -65,7 +64,7 @@ class ActorHost:
         self._tasks: set[asyncio.Task] = set()
         self._ports: dict[int, Inbox] = {}  # channel receivers opened by this rank's actors
         self._selector = Stepper()
-        self.loop = asyncio.SelectorEventLoop(self._selector)  # async endpoints run on it as tasks
+        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop(self._selector)  # async endpoints' tasks
         self._selector.loop = self.loop
 
     # -- what the frame loop asks (control.worker.Host) ------------------------------------------
@@ -123,19 +122,19 @@ class ActorHost:
             out = actor.call(msg)
         finally:
             self._busy.discard(msg.actor)
-        if inspect.iscoroutine(out):
-            self._start(msg, start, out, actor.endpoints[msg.endpoint].concurrent)
-        else:
+        if isinstance(out, Outcome):
             self._finish(msg, start, out)
+        else:
+            self._start(msg, start, out, actor.endpoints[msg.endpoint].concurrent)
 
     def supervise(self, msg: Supervise) -> None:
         """The owner's __supervise__ gets the failure; unhandled, it goes on up (Escalate)."""
         actor = self._actors.get(msg.actor)
         handled = actor.supervise(msg.failure) if actor is not None else False
-        if inspect.iscoroutine(handled):
+        if isinstance(handled, bool):
+            self._supervised(msg, actor, handled)
+        else:
             self._task(handled).add_done_callback(lambda t: self._supervised(msg, actor, t.result()))
-            return
-        self._supervised(msg, actor, bool(handled))
 
     # -- the rest --------------------------------------------------------------------------------
     def _task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:

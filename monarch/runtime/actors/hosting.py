@@ -200,11 +200,11 @@ def calling_actor(frame: FrameType | None) -> tuple[str, str, str, FrameType | N
 
 def _endpoint_of(frame: FrameType) -> str:
     """The endpoint a HostedActor frame runs: its `endpoint` or its call message's, else by the method."""
-    named, msg = frame.f_locals.get("endpoint"), frame.f_locals.get("msg")
+    named, called = frame.f_locals.get("endpoint"), getattr(frame.f_locals.get("msg"), "endpoint", None)
     if isinstance(named, str):
         return named
-    if isinstance(getattr(msg, "endpoint", None), str):
-        return msg.endpoint
+    if isinstance(called, str):
+        return called
     return {"__init__": "__init__", "supervise": "__supervise__"}.get(frame.f_code.co_name, frame.f_code.co_name)
 
 

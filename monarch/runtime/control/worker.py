@@ -135,10 +135,12 @@ class Worker:
                     self._spin.miss()
                     break
         self.sender.idle = True  # its thread waits for the socket too
-        ready = timeout is None or select.select([self.sock], [], [], max(timeout, 0))[0]
-        data = self.sock.recv(codec.RECV_BYTES) if ready else None
-        self.sender.idle = False
-        return data
+        try:
+            if timeout is not None and not select.select([self.sock], [], [], max(timeout, 0))[0]:
+                return None
+            return self.sock.recv(codec.RECV_BYTES)
+        finally:
+            self.sender.idle = False
 
     def _pump(self, timeout: float | None) -> None:
         data = self._recv(timeout)

@@ -81,7 +81,7 @@ class Relay:
             return
         self.ended = True
         sys.settrace(None)
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:  # bdb hooked every frame up the stack
             frame.f_trace = None
             frame = frame.f_back

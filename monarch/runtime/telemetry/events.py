@@ -129,10 +129,18 @@ def error_text(e: BaseException) -> str:
 
 class CallRecord(Protocol):
     """What the messages table keeps of a call a worker ran (control.commands.Call)."""
-    actor: str
-    endpoint: str
-    sender: str | None
-    args: bytes
+
+    @property
+    def actor(self) -> str: ...
+
+    @property
+    def endpoint(self) -> str: ...
+
+    @property
+    def sender(self) -> str: ...
+
+    @property
+    def args(self) -> bytes: ...
 
 
 class Collector:
