@@ -1,8 +1,8 @@
 """Attach mode, the worker host's side: an agent waits for a controller and starts MPI proxies for it.
 
 `run_worker_loop_forever` (`python -m monarch worker`) listens on tcp://HOST:PORT and authenticates each
-peer (gate.py, wire.py). One controller at a time: the next is refused with a reason. What the agent started for
-a controller is killed on `Kill` or when its connection closes, and the agent waits for the next one.
+peer (runtime/debug/gate.py, wire.py). One controller at a time: the next is refused with a reason. What the
+agent started for a controller is killed on `Kill` or when its connection closes, and the agent waits for the next one.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from monarch import config
-from monarch.cluster.gate import Gate
 from monarch.cluster.k8s import DEFAULT_PORT
-from monarch.cluster.wire import (MAX_FRAME, Attached, Exited, Failed, Kill, Launch, Launched, Refused, WriteToken,
-                                  Written, parse_address, resolve_secret)
+from monarch.cluster.wire import (MAX_FRAME, Attached, Challenge, Exited, Failed, Kill, Launch, Launched, Refused,
+                                  WriteToken, Written, parse_address, resolve_secret)
 from monarch.errors import SpawnError
 from monarch.runtime.control import codec
 from monarch.runtime.control.bootstrap import token_file
 from monarch.runtime.control.launch import REMOTE_TOKEN_ROOT
+from monarch.runtime.debug.gate import Caps, Gate
 
 log = logging.getLogger("monarch.agent")
 
@@ -77,7 +77,7 @@ class Agent:
             ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
 
     def serve_forever(self) -> None:
-        Gate(self.listener, self.secret, self._admit).serve_forever()
+        Gate(self.listener, Challenge(self.secret), self._admit, Caps(per_peer=64, total=512), log).run()
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
         """An authenticated controller's connection: served (or refused) on a thread of its own."""

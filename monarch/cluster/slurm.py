@@ -90,4 +90,3 @@ class SlurmLauncher:
 
     def subset(self, hosts: list[str]) -> SlurmLauncher:
         return SlurmLauncher(self.job, hosts)
-

@@ -126,19 +126,26 @@ def _mac(secret: bytes, side: bytes, theirs: bytes, mine: bytes) -> bytes:
     return hmac.new(secret, CONTEXT + side + theirs + mine, hashlib.sha256).digest()
 
 
-def agent_hello() -> tuple[bytes, bytes]:
-    """The agent's half, first: a fresh nonce and the greeting that carries it."""
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    return nonce, MAGIC + nonce
+@dataclass(frozen=True)
+class Challenge:
+    """The agent's half of the handshake, as its gate runs it (runtime/debug/gate.py): a greeting with a
+    fresh nonce first; then the controller's answer (ANSWER_BYTES) to that nonce is checked, and our proof
+    for its nonce is the reply; a peer that does not know the secret is answered DENIED and closed."""
+    secret: bytes
+    deadline_s: float = AUTH_DEADLINE_S
+    answer_bytes: int = ANSWER_BYTES
+    refusal: bytes = DENIED
 
+    def greet(self) -> tuple[bytes, bytes]:
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        return MAGIC + nonce, nonce
 
-def agent_proof(secret: bytes, nonce: bytes, answer: bytes) -> bytes | None:
-    """The agent's half, then: the controller's `answer` (ANSWER_BYTES) to our `nonce` checked, our proof
-    for its nonce; None when it does not know the secret (the agent then replies DENIED and closes)."""
-    theirs, mac = answer[len(MAGIC):-MAC_BYTES], answer[-MAC_BYTES:]
-    if not hmac.compare_digest(mac, _mac(secret, b"controller", nonce, theirs)) or answer[:len(MAGIC)] != MAGIC:
-        return None
-    return _mac(secret, b"agent", theirs, nonce)
+    def check(self, nonce: bytes, answer: bytes) -> bytes | None:
+        theirs, mac = answer[len(MAGIC):-MAC_BYTES], answer[-MAC_BYTES:]
+        expected = _mac(self.secret, b"controller", nonce, theirs)
+        if answer[:len(MAGIC)] != MAGIC or not hmac.compare_digest(mac, expected):
+            return None
+        return _mac(self.secret, b"agent", theirs, nonce)
 
 
 def prove_to_agent(sock: socket.socket, secret: bytes, deadline: float) -> None:

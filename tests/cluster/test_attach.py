@@ -351,7 +351,7 @@ def test_held_connections_keep_no_controller_out(lone: Agent) -> None:
     finally:
         detach([lone.address])
     assert time.monotonic() - start < 3 * T
-    assert lone.logged("to make room: 64 of its address wait")
+    assert lone.logged("to make room: 64 of its connections wait")
 
 
 def test_a_flood_of_bad_peers_logs_a_few_lines_a_second(lone: Agent) -> None:

@@ -9,7 +9,7 @@ time before anything else is read), then one JSON request `{"sql": ..., "timeout
 WAIT_S) or `{"error": ...}`. The query runs for at most `timeout` s (and never past MONARCH_QUERY_TIMEOUT),
 and is cancelled when the client hangs up. A request `{"debug": true}` opens a `monarch_dbg>` console
 instead (console.py): `{"line": ...}` requests, each answered `{"output", "prompt", "done"}`, until quit or
-the client hangs up. Tokens are read by one event loop (telemetry/gate.py: TOKEN_DEADLINE_S each, capped per
+the client hangs up. Tokens are read by one event loop (gate.py: TOKEN_DEADLINE_S each, capped per
 peer); only an authenticated connection gets a thread, at most MAX_CONNECTIONS at once (the next is answered
 busy). Nothing a client sends is unpickled; the SQL is read-only (telemetry/store.py).
 """
@@ -34,13 +34,15 @@ from typing import Any
 from monarch import config
 from monarch.errors import MonarchError
 from monarch.runtime.control import codec
-from monarch.runtime.telemetry.gate import TOKEN_BYTES, TOKEN_DEADLINE_S, Gate
+from monarch.runtime.debug.gate import Gate, Token
 from monarch.runtime.telemetry.store import Limits, Rows
 
 _LEN = struct.Struct("!I")
 MAX_REQUEST = 1 << 20
 WAIT_S = 2.0  # how long a query waits for the workers' newest events; a rank busy in a long call is skipped
 MAX_CONNECTIONS = 32     # authenticated connections served at once (queries, consoles); the next is told busy
+TOKEN_BYTES = 32
+TOKEN_DEADLINE_S = 1.0  # a new connection has this long, in all, to send its token
 REQUEST_DEADLINE_S = 10.0  # an authenticated connection has this long to send its request
 ANSWER_SLACK_S = 5.0     # what a client waits beyond the query's time limit and WAIT_S
 
@@ -115,8 +117,8 @@ class AdminServer:
         with os.fdopen(fd, "w") as f:
             json.dump({"pid": os.getpid(), "port": self.port, "token": self.token.hex()}, f)
         atexit.register(self.close)
-        gate = Gate(self.listener, self.token, self._admit)
-        threading.Thread(target=gate.run, name="monarch-admin", daemon=True).start()
+        self.gate = Gate(self.listener, Token(self.token, TOKEN_DEADLINE_S), self._admit)
+        threading.Thread(target=self.gate.run, name="monarch-admin", daemon=True).start()
 
     def close(self) -> None:
         """Withdraw the announcement and stop accepting (the gate closes the listener and what waits)."""
@@ -125,9 +127,8 @@ class AdminServer:
         with suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)
 
-    def _admit(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket, address: str) -> None:
         """An authenticated connection: served on a thread of its own, or told that the slots are taken."""
-        conn.setblocking(True)
         if self._slots.acquire(blocking=False):
             try:
                 threading.Thread(target=self._session, args=(conn,), name="monarch-admin-conn", daemon=True).start()
