@@ -29,7 +29,7 @@ from monarch.errors import SpawnError
 from monarch.runtime.control import codec
 from monarch.runtime.control.bootstrap import token_file
 from monarch.runtime.control.launch import REMOTE_TOKEN_ROOT
-from monarch.runtime.debug.gate import Caps, Gate
+from monarch.runtime.debug.gate import Caps, Gate, address_of
 
 log = logging.getLogger("monarch.agent")
 
@@ -77,7 +77,7 @@ class Agent:
             ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
 
     def serve_forever(self) -> None:
-        Gate(self.listener, Challenge(self.secret), self._admit, Caps(per_peer=64, total=512), log).run()
+        Gate(self.listener, Challenge(self.secret), self._admit, Caps(per_peer=64, total=512), log, address_of).run()
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
         """An authenticated controller's connection: served (or refused) on a thread of its own."""

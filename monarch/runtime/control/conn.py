@@ -1,6 +1,6 @@
-"""The controller's records of its peers: one accepted connection (`Conn`) and its reader (`ConnReader`:
-handshake, then frames), one MPI job (`Job`: the processes of one proc mesh), and the sinks that take
-replies which are not a caller's `CallState` (calls an actor made, telemetry batches).
+"""The controller's records of its peers: one accepted connection (`Conn`; door.py lets it in and reads
+it), one MPI job (`Job`: the processes of one proc mesh), and the sinks that take replies which are not a
+caller's `CallState` (calls an actor made, telemetry batches).
 
 The controller (controller.py) creates and drives them; they hold state, queue output and split frames.
 """
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from monarch import config
-from monarch.errors import SupervisionError, TransportError
+from monarch.errors import SupervisionError
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import LAUNCHER, Call, Owner, Reply
 from monarch.runtime.control.futures import CallState, Inbox
@@ -224,18 +224,6 @@ class Job:
         return frozenset().union(*(s.missing for s in sinks))
 
 
-class Peers(Protocol):
-    """What a connection's reader hands its bytes to (the Controller)."""
-
-    def authenticate(self, conn: Conn, header: codec.Header | None) -> bool: ...
-
-    def handle(self, conn: Conn, msg: Any) -> None: ...
-
-    def peer_closed(self, conn: Conn) -> None: ...
-
-    def close(self, conn: Conn) -> None: ...
-
-
 class Jobs(Protocol):
     """The Controller as its handlers in handlers/ (requests.py, supervise.py, collect.py) use it: its jobs, how to
     start, reach and stop them, and the channel receivers open on the client."""
@@ -259,46 +247,3 @@ class Jobs(Protocol):
     def next_call_id(self) -> int: ...
 
     def wait_until(self, done: Callable[[], bool], deadline: float | None) -> None: ...
-
-
-class ConnReader:
-    """The poll handler of one connection: handshake first, then frames, each message handed to `peers`."""
-
-    def __init__(self, ctl: Peers, conn: Conn) -> None:
-        self.ctl, self.conn = ctl, conn
-
-    def __call__(self) -> None:
-        conn = self.conn
-        try:
-            data = conn.sock.recv(codec.RECV_BYTES)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.ctl.peer_closed(conn)
-            return
-        conn.fresh = True
-        if conn.header is None:
-            conn.head += data
-            if len(conn.head) < codec.HEADER_SIZE:
-                return
-            data, conn.head = conn.head[codec.HEADER_SIZE:], conn.head[:codec.HEADER_SIZE]
-            if not self.ctl.authenticate(conn, codec.Header.decode(conn.head)):
-                self.ctl.close(conn)
-                return
-        assert conn.header is not None
-        try:
-            bodies = conn.reader.feed(data)
-        except TransportError as e:
-            log.warning("monarch controller: closing rank %s: %s", conn.header.rank, e)
-            self.ctl.peer_closed(conn)
-            return
-        for body in bodies:
-            try:
-                msgs = codec.decode_frame(body)
-            except Exception as e:  # noqa: BLE001 - a malformed frame is dropped, the peer stays
-                log.warning("monarch controller: dropped a malformed frame from rank %s: %r", conn.header.rank, e)
-                continue
-            for msg in msgs:
-                self.ctl.handle(conn, msg)

@@ -1,6 +1,6 @@
 """The controller: owns worker processes, routes control-plane messages, supervises meshes.
 
-One background thread polls every socket and pipe (epoll): it authenticates new connections, delivers
+One background thread polls every socket and pipe (epoll): it lets workers in (door.py), delivers
 replies to CallStates, forwards actor-to-actor calls, copies worker output to this process's stdout and
 stderr, and fails every pending call of a mesh whose worker died or went silent (heartbeat.py); a peer's
 messages dispatch by type through `HANDLERS`, the one table of every message the controller handles (its
@@ -13,7 +13,6 @@ import atexit
 import itertools
 import logging
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,8 @@ from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, ActorFault, 
                                               Escalate, Forward, GetController, Heartbeat, Hello, MeshFailure,
                                               MeshRequest, PortSend, ProcExit, Reply, SpawnActors, SpawnProcs, Stop,
                                               StopProcs, describe_exit, describe_status)
-from monarch.runtime.control.conn import Conn, ConnReader, ForwardSink, Job, banner_free
+from monarch.runtime.control.conn import Conn, ForwardSink, Job, banner_free
+from monarch.runtime.control.door import Door
 from monarch.runtime.control.futures import CallState, Inbox
 from monarch.runtime.control.poller import Poller
 from monarch.runtime.telemetry.events import RECORDER, Events, now_us, output_lines
@@ -43,7 +43,6 @@ from monarch.runtime.telemetry.store import STORE
 from monarch.shape import Shape
 
 log = logging.getLogger("monarch.controller")
-HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to send its header
 ADMIN = "monarch.runtime.debug.admin"  # the admin endpoint, loaded only when MONARCH_ADMIN asks for it
 
 
@@ -54,17 +53,15 @@ class Controller:
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
-        self._addrs = itertools.count(CONTROLLER + 1)
         self._mesh_ids = itertools.count(1)
-        self._handshaking: set[Conn] = set()
         self._ended: dict[int, SupervisionError] = {}  # mesh id -> why it is gone
         self.meshes: dict[int, Job] = {}  # by mesh id, while the job runs
         self.ports: dict[int, Inbox] = {}  # channel receivers opened on the client (actors/ports.py)
         self.telemetry = Collector(self)
         self._watch = heartbeat.Watch()
         self._poller = Poller(self._expire)
-        self._listeners: dict[str, str] = {}  # bind host -> "host:port"
-        self.address = self.listen(config.host() or "127.0.0.1")
+        self.door = Door(self._poller, self.meshes, self)
+        self.address = self.door.listen(config.host() or "127.0.0.1")
         if config.debug():
             logging.basicConfig()
             log.setLevel(logging.DEBUG)
@@ -160,21 +157,12 @@ class Controller:
             self._conn_lost(mesh, r)
 
     # -- spawning and stopping -------------------------------------------------------------------
-    def listen(self, host: str) -> str:
-        """The "host:port" workers connect back to, with a listening socket bound to `host`."""
-        if host not in self._listeners:
-            listener = socket.create_server((host, 0))
-            listener.setblocking(False)
-            self._poller.watch(listener.fileno(), lambda: self._accept(listener))
-            self._listeners[host] = "%s:%d" % listener.getsockname()[:2]
-        return self._listeners[host]
-
     def spawn(self, name: str, shape: Shape, launcher: launch.Launcher, env: dict[str, str] | None,
               bind: str | None = None) -> Job:
         mesh = Job(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES), launcher.hosts)
         mesh.kill_signal = launcher.kill_signal
         bind, advertise = launch.addresses(launcher, bind)
-        control = f"{advertise}:{self.listen(bind).rsplit(':', 1)[1]}"
+        control = f"{advertise}:{self.door.listen(bind).rsplit(':', 1)[1]}"
         handover = launch.TokenHandover(mesh.token, len(shape), launcher)
         cmd = launcher.command(shape, launch.worker_command(shape, control, mesh.id) + handover.args, advertise)
         log.debug("spawning mesh %r (id %d): %s", name, mesh.id, " ".join(cmd))
@@ -220,7 +208,7 @@ class Controller:
         mesh.fail_pending(err)
         for conn in mesh.conns:
             if conn is not None:
-                self.close(conn)
+                self.door.close(conn)
         self.meshes.pop(mesh.id, None)
 
     def shutdown(self) -> None:
@@ -230,13 +218,8 @@ class Controller:
     # -- timers and connections (run by whichever thread polls) ---------------------------------
     def _expire(self) -> float:
         """Fire due timers; seconds until the next one."""
-        now, nxt = time.monotonic(), 1.0
-        if self._handshaking:
-            for conn in list(self._handshaking):
-                if now - conn.opened > HANDSHAKE_TIMEOUT:
-                    log.warning("monarch controller: dropped a connection that sent no handshake in time")
-                    self.close(conn)
-            nxt = 0.5
+        now = time.monotonic()
+        nxt = self.door.expire(now)
         for mesh in list(self.meshes.values()):
             for rank, deadline in list(mesh.lost.items()):
                 if now >= deadline:
@@ -245,23 +228,6 @@ class Controller:
                     nxt = min(nxt, deadline - now)
         self.telemetry.tick(now)
         return min(nxt, self._watch.tick(now, self.meshes, self.fail), OUTPUT.tick(now))
-
-    def _accept(self, listener: socket.socket) -> None:
-        try:
-            sock, _ = listener.accept()
-        except BlockingIOError:
-            return
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Conn(sock, next(self._addrs), self._poller)
-        self._handshaking.add(conn)
-        self._poller.watch(sock.fileno(), ConnReader(self, conn))
-
-    def close(self, conn: Conn) -> None:
-        self._handshaking.discard(conn)
-        if conn.sock.fileno() >= 0:
-            self._poller.unwatch(conn.sock.fileno())
-            conn.sock.close()
 
     def _output(self, mesh: Job, pipe: Any, stream: Any) -> None:
         data, name = pipe.read1(65536), "stderr" if stream is sys.stderr else "stdout"
@@ -288,24 +254,7 @@ class Controller:
             rank, why = mesh.blamed() or (LAUNCHER, describe_exit(code))
             self.fail(mesh, rank, mesh.pids[rank] if rank >= 0 else mesh.proc.pid, why)
 
-    # -- messages from authenticated peers -------------------------------------------------------
-    def authenticate(self, conn: Conn, header: codec.Header | None) -> bool:
-        mesh = self.meshes.get(header.mesh_id) if header else None
-        if header is None or mesh is None or not header.authentic(mesh.token):
-            log.warning("monarch controller: rejected a connection with a bad handshake")
-            return False
-        if header.role == codec.ROLE_WORKER:
-            if not 0 <= header.rank < len(mesh.shape) or mesh.conns[header.rank] is not None:
-                log.warning("monarch controller: rejected a duplicate or out-of-range worker rank %d", header.rank)
-                return False
-            mesh.conns[header.rank] = conn
-        conn.header, conn.mesh = header, mesh
-        conn.reader.max_frame = mesh.max_frame
-        self._handshaking.discard(conn)
-        log.debug("mesh %r: rank %d connected (%s)", mesh.name, header.rank,
-                  "worker" if header.role == codec.ROLE_WORKER else "monitor")
-        return True
-
+    # -- messages from authenticated peers (door.py) -----------------------------------------------
     def handle(self, conn: Conn, msg: Any) -> None:
         handler = HANDLERS.get(type(msg))
         if handler is None:
@@ -315,7 +264,7 @@ class Controller:
         handler(self, conn, msg)
 
     def peer_closed(self, conn: Conn) -> None:
-        self.close(conn)
+        self.door.close(conn)
         mesh, header = conn.mesh, conn.header
         if mesh is not None and header is not None and header.role == codec.ROLE_WORKER:
             self._conn_lost(mesh, header.rank)

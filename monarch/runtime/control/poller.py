@@ -3,6 +3,11 @@
 A background thread polls while nobody waits, so worker output and failures are handled promptly.
 A user thread that waits for a reply takes the poller over and handles events itself: the reply is
 read by the thread that needs it, with no hand-off between threads on the hot path.
+
+A worker's frame loop spins for its next message instead (`AdaptiveSpin`): on a virtual machine an idle CPU's
+wake-up costs tens of microseconds, so a process that expects a message within microseconds spins for it
+(MONARCH_SPIN_US); when spinning keeps failing (a slow peer, an oversubscribed host where the spin takes the
+core the peer needs) it stops, and probes again now and then.
 """
 from __future__ import annotations
 
@@ -124,3 +129,28 @@ def _run(fd: int, handler: Callable[[], None] | None) -> None:
 def _drain(fd: int) -> None:
     with suppress(BlockingIOError):  # already drained by another poll
         os.eventfd_read(fd)
+
+
+_MISSES_BEFORE_BACKOFF = 3
+_PROBE_EVERY = 32
+
+
+class AdaptiveSpin:
+    """Spin budget in seconds: the limit while spins pay off, zero after repeated misses."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._misses = 0
+        self._sleeps = 0
+
+    def budget(self) -> float:
+        if self._misses < _MISSES_BEFORE_BACKOFF:
+            return self.limit
+        self._sleeps += 1
+        return self.limit if self._sleeps % _PROBE_EVERY == 0 else 0.0
+
+    def hit(self) -> None:
+        self._misses = 0
+
+    def miss(self) -> None:
+        self._misses = min(self._misses + 1, _MISSES_BEFORE_BACKOFF)

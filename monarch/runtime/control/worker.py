@@ -29,7 +29,7 @@ from monarch.runtime.control.commands import (CONTROLLER, Busy, Call, Forward, H
                                               Reply, ShipTelemetry, Stop)
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.heartbeat import Sender
-from monarch.runtime.control.spin import AdaptiveSpin
+from monarch.runtime.control.poller import AdaptiveSpin
 from monarch.runtime.telemetry.events import Collector
 from monarch.shape import Shape
 

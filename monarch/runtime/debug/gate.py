@@ -1,12 +1,12 @@
 """The front door of a listening socket: one selector loop accepts connections and authenticates them.
 
 A peer that has not proven itself costs a socket and a few bytes, never a thread nor a serving slot: it has
-its handshake's deadline to answer; one peer (`peer_of`: the user owning the other end of a loopback
-connection, else its address) has at most `Caps.per_peer` connections waiting, all peers together
-`Caps.total`; past either cap, first the answers that arrived are read, then the oldest waiting connection
-of that peer (or of the busiest one) is closed, so a flood cannot keep anyone else out. Authenticated
-sockets are handed on, blocking. Two handshakes use it: the admin endpoint's token (`Token`, debug/admin.py)
-and attach mode's challenge (cluster/wire.py). `Throttled` keeps a flood from flooding the log too.
+its handshake's deadline to answer; one peer (`user_of`: the user owning the other end of a loopback
+connection, else its address; `address_of`: its address) has at most `Caps.per_peer` connections waiting,
+all peers together `Caps.total`; past either cap, first the answers that arrived are read, then the oldest
+waiting connection of that peer (or of the busiest one) is closed, so a flood cannot keep anyone else out.
+Authenticated sockets are handed on, blocking. Two handshakes use it: the admin endpoint's token (`Token`,
+debug/admin.py) and attach mode's challenge (cluster/wire.py). `Throttled` keeps a flood from flooding the log too.
 """
 from __future__ import annotations
 
@@ -69,6 +69,30 @@ class Caps:
     total: int = 256
 
 
+def address_of(conn: socket.socket) -> str:
+    """Whose a connection is, when peers are hosts: its address."""
+    return f"address {conn.getpeername()[0]}"
+
+
+def user_of(conn: socket.socket) -> str:
+    """Whose a connection is, when peers are local users: the user id owning the other end of a loopback
+    connection (Linux's /proc/net/tcp), else its address."""
+    (ip, port), (here, our_port) = conn.getpeername()[:2], conn.getsockname()[:2]
+    if conn.family == socket.AF_INET:
+        theirs, ours = _hex(ip, port), _hex(here, our_port)
+        with suppress(OSError), open(PROC_NET_TCP) as table:
+            for line in table:
+                fields = line.split()
+                if len(fields) > 7 and fields[1] == theirs and fields[2] == ours:
+                    return f"uid {fields[7]}"
+    return f"address {ip}"
+
+
+def _hex(ip: str, port: int) -> str:
+    """An IPv4 address and port as /proc/net/tcp writes them (the address as a native-endian integer)."""
+    return "%08X:%04X" % (struct.unpack("=I", socket.inet_aton(ip))[0], port)
+
+
 class Throttled:
     """A logger that writes at most one line per kind per `period` s; the next line of a kind says how
     many were left out since the last one."""
@@ -108,10 +132,11 @@ class Gate:
     (host:port) to `admit`, which must not block; the rest are closed."""
 
     def __init__(self, listener: socket.socket, handshake: Handshake, admit: Callable[[socket.socket, str], None],
-                 caps: Caps = Caps(), log: logging.Logger | None = None) -> None:
+                 caps: Caps = Caps(), log: logging.Logger | None = None,
+                 peer_of: Callable[[socket.socket], str] = user_of) -> None:
         self.listener, self.handshake, self.admit, self.caps = listener, handshake, admit, caps
         self.log = Throttled(log or logging.getLogger("monarch.gate"))
-        self.peer_of = peer_of
+        self.peer_of = peer_of  # whose a connection is, for the caps
         self._sel = selectors.DefaultSelector()
         self._waiting: dict[socket.socket, _Waiting] = {}  # oldest (= earliest deadline) first
 
@@ -235,22 +260,3 @@ class Gate:
             conn.close()
             if msg:
                 self.log.log(kind, level, msg, *args)
-
-
-def peer_of(conn: socket.socket) -> str:
-    """Who connected: the user id owning the other end of a loopback connection (Linux's /proc/net/tcp),
-    else its address."""
-    (ip, port), (here, our_port) = conn.getpeername()[:2], conn.getsockname()[:2]
-    if conn.family == socket.AF_INET:
-        theirs, ours = _hex(ip, port), _hex(here, our_port)
-        with suppress(OSError), open(PROC_NET_TCP) as table:
-            for line in table:
-                fields = line.split()
-                if len(fields) > 7 and fields[1] == theirs and fields[2] == ours:
-                    return f"uid {fields[7]}"
-    return f"address {ip}"
-
-
-def _hex(ip: str, port: int) -> str:
-    """An IPv4 address and port as /proc/net/tcp writes them (the address as a native-endian integer)."""
-    return "%08X:%04X" % (struct.unpack("=I", socket.inet_aton(ip))[0], port)

@@ -89,8 +89,8 @@ def test_wrong_token_is_rejected_before_decoding(echo, caplog: pytest.LogCapture
 
 
 def test_silent_peer_is_dropped_after_the_handshake_timeout(echo, monkeypatch: pytest.MonkeyPatch) -> None:
-    from monarch.runtime.control import controller as ctl
-    monkeypatch.setattr(ctl, "HANDSHAKE_TIMEOUT", 0.2)
+    from monarch.runtime.control import door
+    monkeypatch.setattr(door, "HANDSHAKE_TIMEOUT", 0.2)
     with _peer(b"MNR1") as sock:
         t0 = time.monotonic()
         assert _closed_by_controller(sock)
@@ -107,7 +107,7 @@ def test_host_option_binds_another_address() -> None:
     from monarch.actor import this_host
     with this_host().spawn_procs(per_host={"gpus": 1}, host="127.0.0.2") as procs:
         assert procs.spawn("e", Echo).echo.call_one(5).get(timeout=T) == 5
-        assert controller().listen("127.0.0.2").startswith("127.0.0.2:")
+        assert controller().door.listen("127.0.0.2").startswith("127.0.0.2:")
 
 
 class Relay(Actor):

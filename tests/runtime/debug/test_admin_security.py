@@ -227,11 +227,11 @@ def test_a_peer_past_its_cap_loses_its_own_oldest_waiting_connection(procs: Proc
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Connections from 127.0.0.2 play another user's: they never push out this user's waiting ones."""
     from monarch.runtime.control.controller import controller
-    from monarch.runtime.debug.gate import Caps, Token, peer_of
+    from monarch.runtime.debug.gate import Caps, Token, user_of
     door = controller().admin.gate
     monkeypatch.setattr(door, "handshake", Token(door.handshake.token, T))  # nothing expires during the test
     monkeypatch.setattr(door, "caps", Caps(per_peer=8))
-    monkeypatch.setattr(door, "peer_of", lambda c: "other" if c.getpeername()[0] == "127.0.0.2" else peer_of(c))
+    monkeypatch.setattr(door, "peer_of", lambda c: "other" if c.getpeername()[0] == "127.0.0.2" else user_of(c))
     ours = [connect() for _ in range(7)]
     theirs = [connect("127.0.0.2") for _ in range(20)]
     try:
@@ -250,13 +250,13 @@ def test_a_peer_past_its_cap_loses_its_own_oldest_waiting_connection(procs: Proc
 
 
 def test_the_peer_is_the_user_owning_the_other_end() -> None:
-    from monarch.runtime.debug.gate import peer_of
+    from monarch.runtime.debug.gate import user_of
     with socket.create_server(("127.0.0.1", 0)) as server:
         with socket.create_connection(server.getsockname(), timeout=T) as client:
             conn, _ = server.accept()
             with conn:
-                assert peer_of(conn) == f"uid {os.geteuid()}"
-                assert peer_of(client) == f"uid {os.geteuid()}"  # either end
+                assert user_of(conn) == f"uid {os.geteuid()}"
+                assert user_of(client) == f"uid {os.geteuid()}"  # either end
 
 
 def test_authenticated_connections_past_the_limit_are_told_busy(procs: ProcMesh) -> None:
