@@ -61,6 +61,7 @@ class Controller:
         self._watch = heartbeat.Watch()
         self._poller = Poller(self._expire)
         self.door = Door(self._poller, self.meshes, self)
+        self._poller.start()
         self.address = self.door.listen(config.host() or "127.0.0.1")
         if config.debug():
             logging.basicConfig()

@@ -42,6 +42,9 @@ class Poller:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK)
         self.watch(self._wake, lambda: _drain(self._wake))
         self._thread = threading.Thread(target=self._background, name="monarch-poller", daemon=True)
+
+    def start(self) -> None:
+        """Start the background thread (once whoever `tick` reads is ready)."""
         self._thread.start()
 
     def watch(self, fd: int, handler: Callable[[], None]) -> None:
