@@ -10,6 +10,8 @@ checkpoint moved aside is put back when the id itself is missing.
 """
 from __future__ import annotations
 
+import enum
+import io
 import pickle
 import shutil
 from pathlib import Path
@@ -37,6 +39,23 @@ class Opens:
         return (open, (str(self.path), "w"))
 
 
+class EnumsByName(pickle.Pickler):
+    """Pickles enum members as Python 3.11.0-3.11.4 do (Debian 12's python3 among them): getattr(class, name)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+class Getattr:
+    """Unpickling it reads an attribute that is no enum member, of a class DCP metadata may name."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from torch.distributed.checkpoint.metadata import Metadata
+        return (getattr, (Metadata, "__subclasses__"))
+
+
 def sharded(procs: ProcMesh, value: float = 1.0) -> torch.Tensor:
     return monarch.distribute_tensor(torch.full((4, 2), value), procs, {"dp": Shard(0)})
 
@@ -62,6 +81,28 @@ def test_a_crafted_metadata_runs_nothing(procs: ProcMesh, tmp_path: Path, where:
         mcp.load(target, checkpoint_id=ckpt, timeout=T)
     assert "io.open" in str(e.value)
     assert not marker.exists() and target["step"] == 0
+
+
+@pytest.mark.parametrize("where", ["mesh", "controller"])
+def test_metadata_that_pickles_enums_by_name_loads(procs: ProcMesh, tmp_path: Path, where: str) -> None:
+    ckpt, target = on_mesh(procs, tmp_path) if where == "mesh" else in_controller(tmp_path)
+    meta = ckpt / ".metadata"
+    with open(meta, "rb") as f:
+        metadata = pickle.load(f)
+    out = io.BytesIO()
+    EnumsByName(out, protocol=2).dump(metadata)
+    meta.write_bytes(out.getvalue())
+    assert b"getattr" in meta.read_bytes()
+    mcp.load(target, checkpoint_id=ckpt, timeout=T)
+    w = target["w"].full_tensor() if where == "mesh" else target["w"]
+    assert target["step"] == 3 and torch.equal(w, torch.full((4, 2), 2.0))
+
+
+def test_a_getattr_of_anything_but_an_enum_member_is_refused(tmp_path: Path) -> None:
+    ckpt, target = in_controller(tmp_path)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Getattr()))
+    with pytest.raises(CheckpointError, match="no enum member.*trusted=True"):
+        mcp.load(target, checkpoint_id=ckpt)
 
 
 @pytest.mark.parametrize("where", ["mesh", "controller"])

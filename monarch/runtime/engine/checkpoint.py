@@ -10,6 +10,7 @@ is cleared by the next save or load of it. A `.metadata` is unpickled with DCP's
 """
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pickle
@@ -46,7 +47,17 @@ class MetadataUnpickler(pickle.Unpickler):
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if dtype or (module, name) in _METADATA_TYPES:
             return super().find_class(module, name)
+        if (module, name) in (("builtins", "getattr"), ("__builtin__", "getattr")):
+            return _enum_member  # how Python 3.11.0-3.11.4 pickle an enum member: getattr(its class, its name)
         raise pickle.UnpicklingError(f"its .metadata names {module}.{name}, which is not a DCP metadata type")
+
+
+def _enum_member(cls: Any, name: Any) -> enum.Enum:
+    """`getattr` as a DCP metadata pickle may use it: a member, by name, of an enum the unpickler allowed."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"its .metadata asks for attribute {name!r} of {cls!r}, which is no enum member "
+                                 "of a DCP metadata type")
 
 
 class SafeReader(FileSystemReader):
