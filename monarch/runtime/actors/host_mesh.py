@@ -194,5 +194,5 @@ def shutdown_context() -> Future[None]:
     if client().is_controller:
         ctl = controller()
         for mesh in list(ctl.meshes.values()):
-            ctl.stop(mesh)
+            ctl.lifecycle.stop(mesh)
     return resolved(None)

@@ -16,21 +16,17 @@ import threading
 import time
 from collections import deque
 from contextlib import suppress
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from monarch import config
 from monarch.errors import SupervisionError
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import LAUNCHER, Call, Owner, Reply
-from monarch.runtime.control.futures import CallState, Inbox
+from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.poller import Poller
 from monarch.runtime.telemetry.events import RECORDER, error_text, now_us
 from monarch.runtime.telemetry.store import STORE
 from monarch.shape import Shape
-
-if TYPE_CHECKING:
-    from monarch.runtime.control.launch import Launcher
 
 log = logging.getLogger("monarch.controller")
 
@@ -222,28 +218,3 @@ class Job:
         """Ranks that have not answered a request for their events yet."""
         sinks = [s for s in list(self.pending.values()) if type(s) is TelemetrySink]
         return frozenset().union(*(s.missing for s in sinks))
-
-
-class Jobs(Protocol):
-    """The Controller as its handlers in handlers/ (requests.py, supervise.py, collect.py) use it: its jobs, how to
-    start, reach and stop them, and the channel receivers open on the client."""
-    meshes: dict[int, Job]
-    ports: dict[int, Inbox]
-
-    def mesh(self, mesh_id: int) -> Job: ...
-
-    def spawn(self, name: str, shape: Shape, launcher: Launcher, env: dict[str, str] | None,
-              bind: str | None = None) -> Job: ...
-
-    def stop(self, mesh: Job, grace: float = 5.0) -> None: ...
-
-    def fan_out(self, mesh: Job, shape: Shape, frame: bytes, what: str = "a message") -> None: ...
-
-    def send_each(self, mesh_id: int, frames: dict[int, bytes], call_id: int, state: CallState | None,
-                  what: str = "the tensor program") -> None: ...
-
-    def send_rank(self, mesh: Job, r: int, frame: bytes) -> None: ...
-
-    def next_call_id(self) -> int: ...
-
-    def wait_until(self, done: Callable[[], bool], deadline: float | None) -> None: ...

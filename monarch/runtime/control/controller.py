@@ -1,20 +1,17 @@
-"""The controller: owns worker processes, routes control-plane messages, supervises meshes.
+"""The controller: the process-wide control plane, the `Client` meshes send with on the controller.
 
-One background thread polls every socket and pipe (epoll): it lets workers in (door.py), delivers
-replies to CallStates, forwards actor-to-actor calls, copies worker output to this process's stdout and
-stderr, and fails every pending call of a mesh whose worker died or went silent (heartbeat.py); a peer's
-messages dispatch by type through `HANDLERS`, the one table of every message the controller handles (its
-handlers live in this module, handlers/: requests.py, supervise.py, breakpoints.py and collect.py). User threads send
-directly. Telemetry (fetching the workers' events, SQL over them) is the Collector of handlers/collect.py.
+One background thread polls every socket and pipe (epoll, poller.py): workers get in through the door
+(door.py), jobs start and end through the lifecycle (launch.py), and the controller delivers replies to
+CallStates, forwards actor-to-actor calls and fails every pending call of a mesh whose worker died or went
+silent (heartbeat.py). A peer's messages dispatch by type through `HANDLERS`, the one table of every message
+the controller handles (its handlers live in this module and in handlers/: requests.py, supervise.py,
+breakpoints.py and collect.py, the telemetry Collector). User threads send directly.
 """
 from __future__ import annotations
 
 import atexit
 import itertools
 import logging
-import secrets
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,22 +21,21 @@ from functools import partial
 from typing import Any
 
 from monarch import config
-from monarch.errors import MeshError, SpawnError, SupervisionError, TransportError
+from monarch.errors import MeshError, SupervisionError, TransportError
 from monarch.runtime.control import codec, heartbeat, launch
 from monarch.runtime.control.handlers import requests, supervise
 from monarch.runtime.control.handlers.breakpoints import on_paused, on_resumed
 from monarch.runtime.control.handlers.collect import Collector, on_events
-from monarch.runtime.control.commands import (CONTROLLER, LAUNCHER, ActorFault, Busy, Call, DebugPaused, DebugResumed,
+from monarch.runtime.control.commands import (CONTROLLER, ActorFault, Busy, Call, DebugPaused, DebugResumed,
                                               Escalate, Forward, GetController, Heartbeat, Hello, MeshFailure,
-                                              MeshRequest, PortSend, ProcExit, Reply, SpawnActors, SpawnProcs, Stop,
-                                              StopProcs, describe_exit, describe_status)
-from monarch.runtime.control.conn import Conn, ForwardSink, Job, banner_free
+                                              MeshRequest, PortSend, ProcExit, Reply, SpawnActors, SpawnProcs,
+                                              StopProcs, describe_status)
+from monarch.runtime.control.conn import Conn, ForwardSink, Job
 from monarch.runtime.control.door import Door
 from monarch.runtime.control.futures import CallState, Inbox
 from monarch.runtime.control.poller import Poller
-from monarch.runtime.telemetry.events import RECORDER, Events, now_us, output_lines
+from monarch.runtime.telemetry.events import RECORDER, Events, now_us
 from monarch.runtime.telemetry.logs import OUTPUT
-from monarch.runtime.telemetry.store import STORE
 from monarch.shape import Shape
 
 log = logging.getLogger("monarch.controller")
@@ -53,20 +49,19 @@ class Controller:
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
-        self._mesh_ids = itertools.count(1)
-        self._ended: dict[int, SupervisionError] = {}  # mesh id -> why it is gone
         self.meshes: dict[int, Job] = {}  # by mesh id, while the job runs
         self.ports: dict[int, Inbox] = {}  # channel receivers opened on the client (actors/ports.py)
         self.telemetry = Collector(self)
         self._watch = heartbeat.Watch()
         self._poller = Poller(self._expire)
         self.door = Door(self._poller, self.meshes, self)
+        self.lifecycle = launch.Lifecycle(self._poller, self.door, self.meshes, self)  # spawn, stop
         self._poller.start()
         self.address = self.door.listen(config.host() or "127.0.0.1")
         if config.debug():
             logging.basicConfig()
             log.setLevel(logging.DEBUG)
-        atexit.register(self.shutdown)
+        atexit.register(self.lifecycle.shutdown)
         if config.admin():
             from monarch.runtime.debug.admin import AdminServer  # the one lazy doorway up to runtime/debug
             self.admin = AdminServer(self.telemetry.sql)
@@ -113,8 +108,8 @@ class Controller:
         try:
             return self.meshes[mesh_id]
         except KeyError:
-            if mesh_id in self._ended:
-                raise self._ended[mesh_id] from None
+            if mesh_id in self.lifecycle.ended:
+                raise self.lifecycle.ended[mesh_id] from None
             raise MeshError(f"proc mesh {mesh_id} does not exist in this controller (stopped, or from "
                             "another process)") from None
 
@@ -157,65 +152,6 @@ class Controller:
         except OSError:
             self._conn_lost(mesh, r)
 
-    # -- spawning and stopping -------------------------------------------------------------------
-    def spawn(self, name: str, shape: Shape, launcher: launch.Launcher, env: dict[str, str] | None,
-              bind: str | None = None) -> Job:
-        mesh = Job(next(self._mesh_ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES), launcher.hosts)
-        mesh.kill_signal = launcher.kill_signal
-        bind, advertise = launch.addresses(launcher, bind)
-        control = f"{advertise}:{self.door.listen(bind).rsplit(':', 1)[1]}"
-        handover = launch.TokenHandover(mesh.token, len(shape), launcher)
-        cmd = launcher.command(shape, launch.worker_command(shape, control, mesh.id) + handover.args, advertise)
-        log.debug("spawning mesh %r (id %d): %s", name, mesh.id, " ".join(cmd))
-        self.meshes[mesh.id] = mesh
-        before = launch.topology_files() if launcher.local else set()
-        workers = launch.worker_env(env)
-        mesh.max_frame = config.max_frame(workers)  # what they accept, also when spawn_procs(env=...) sets it
-        try:
-            mesh.proc = launcher.start(cmd, workers)
-            assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
-            out, err = mesh.proc.stdout, mesh.proc.stderr
-            self._poller.watch(out.fileno(), lambda: self._output(mesh, out, sys.stdout))
-            self._poller.watch(err.fileno(), lambda: self._output(mesh, err, sys.stderr))
-            timeout = config.spawn_timeout()
-            self._poller.drive(mesh.settled.is_set, time.monotonic() + timeout)
-        except SpawnError:
-            del self.meshes[mesh.id]
-            raise
-        finally:
-            handover.remove()  # every worker took its token file by now, or the spawn failed
-            mesh.leftovers = launch.topology_files() - before if launcher.local else set()
-        if not mesh.settled.is_set() or mesh.failure is not None:
-            why = mesh.failure or f"not every worker connected within {timeout} s (MONARCH_SPAWN_TIMEOUT)"
-            self.stop(mesh, grace=0.5)
-            tail = "\n".join(mesh.stderr_tail) or "(nothing)"
-            raise SpawnError(f"spawning mesh {name!r} ({' '.join(cmd[:3])} ...) failed: {why}\n"
-                             f"worker stderr, last lines:\n{tail}")
-        return mesh
-
-    def stop(self, mesh: Job, grace: float = 5.0) -> None:
-        """Ask every worker to exit, wait for the job, and kill whatever is left of it."""
-        if mesh.stopping:
-            return
-        mesh.stopping = True
-        self.fan_out(mesh, mesh.shape, codec.encode_frame([Stop()]))
-        if mesh.proc is not None:
-            launch.terminate(mesh.proc, grace)
-            self._poller.drive(lambda: OUTPUT.drained(mesh.id), time.monotonic() + 1.0)  # its last lines
-        OUTPUT.flush(mesh.id)
-        launch.remove(mesh.leftovers)  # the job is gone: what a killed launcher left goes too
-        err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} was stopped; spawn a new proc mesh")
-        self._ended[mesh.id] = err
-        mesh.fail_pending(err)
-        for conn in mesh.conns:
-            if conn is not None:
-                self.door.close(conn)
-        self.meshes.pop(mesh.id, None)
-
-    def shutdown(self) -> None:
-        for mesh in list(self.meshes.values()):
-            self.stop(mesh, grace=2.0)
-
     # -- timers and connections (run by whichever thread polls) ---------------------------------
     def _expire(self) -> float:
         """Fire due timers; seconds until the next one."""
@@ -229,31 +165,6 @@ class Controller:
                     nxt = min(nxt, deadline - now)
         self.telemetry.tick(now)
         return min(nxt, self._watch.tick(now, self.meshes, self.fail), OUTPUT.tick(now))
-
-    def _output(self, mesh: Job, pipe: Any, stream: Any) -> None:
-        data, name = pipe.read1(65536), "stderr" if stream is sys.stderr else "stdout"
-        if not data:
-            self._poller.unwatch(pipe.fileno())
-            pipe.close()
-            OUTPUT.end(mesh.id, name)
-            if stream is sys.stderr:
-                self._job_exited(mesh)
-            return
-        text = data.decode(errors="replace")
-        mesh.note_output(name, text)
-        if RECORDER.on:
-            STORE.add(output_lines(mesh.shape, name, text), mesh.name)
-        OUTPUT.write(mesh.id, name, banner_free(text))  # to this console as logging_option says (telemetry/logs.py)
-
-    def _job_exited(self, mesh: Job) -> None:
-        assert mesh.proc is not None
-        try:
-            code = mesh.proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            return
-        if mesh.live:
-            rank, why = mesh.blamed() or (LAUNCHER, describe_exit(code))
-            self.fail(mesh, rank, mesh.pids[rank] if rank >= 0 else mesh.proc.pid, why)
 
     # -- messages from authenticated peers (door.py) -----------------------------------------------
     def handle(self, conn: Conn, msg: Any) -> None:

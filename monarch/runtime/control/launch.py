@@ -1,13 +1,16 @@
-"""Starting and stopping the MPI job that hosts a proc mesh (controller side).
+"""Starting and stopping the MPI job that hosts a proc mesh (controller side): `Lifecycle`, and its parts.
 
 A `Launcher` says how a mesh's ranks start: `LocalLauncher` forks them on this host with the pip-installed
 MPICH `mpiexec` (never a system one of another MPI); monarch/cluster has the ssh, Slurm and attach-mode
 ones. This module also picks the control socket's bind and advertised addresses, hands the mesh token over
-(`TokenHandover`), starts the job in its own process group with the worker environment, and tears it down.
+(`TokenHandover`), starts the job in its own process group with the worker environment, copies its output
+to this console (telemetry/logs.py), and tears it down.
 """
 from __future__ import annotations
 
 import glob
+import itertools
+import logging
 import os
 import secrets
 import shutil
@@ -16,14 +19,25 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from contextlib import suppress
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol, TextIO
 
 from monarch import config
-from monarch.errors import SpawnError
+from monarch.errors import SpawnError, SupervisionError
+from monarch.runtime.control import codec
 from monarch.runtime.control.bootstrap import token_file
+from monarch.runtime.control.commands import LAUNCHER, Stop, describe_exit
+from monarch.runtime.control.conn import Job, banner_free
+from monarch.runtime.control.door import Door
+from monarch.runtime.control.poller import Poller
+from monarch.runtime.telemetry.events import RECORDER, output_lines
+from monarch.runtime.telemetry.logs import OUTPUT
+from monarch.runtime.telemetry.store import STORE
 from monarch.shape import Shape
+
+log = logging.getLogger("monarch.controller")
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -211,3 +225,106 @@ def terminate(proc: subprocess.Popen[bytes], grace: float) -> int:
         except subprocess.TimeoutExpired:
             continue
     return proc.wait(timeout=grace)
+
+
+class Peers(Protocol):
+    """What starting and ending jobs needs of the controller: sending to a job's ranks, failing a job."""
+
+    def fan_out(self, mesh: Job, shape: Shape, frame: bytes, what: str = "a message") -> None: ...
+
+    def fail(self, mesh: Job, rank: int, pid: int, status: str) -> None: ...
+
+
+class Lifecycle:
+    """The controller's jobs from start to end: `spawn` starts one (its launcher's command, the token handed
+    over, its output pipes watched) and waits until every worker connected; `stop` asks its workers to exit,
+    kills what is left after the grace period and keeps why the job ended (`ended`); a job whose launcher
+    exits on its own fails through `peers`."""
+
+    def __init__(self, poller: Poller, door: Door, jobs: dict[int, Job], peers: Peers) -> None:
+        self.poller, self.door, self.jobs, self.peers = poller, door, jobs, peers
+        self.ended: dict[int, SupervisionError] = {}  # mesh id -> why it is gone
+        self._ids = itertools.count(1)
+
+    def spawn(self, name: str, shape: Shape, launcher: Launcher, env: dict[str, str] | None,
+              bind: str | None = None) -> Job:
+        mesh = Job(next(self._ids), name, shape, secrets.token_bytes(codec.TOKEN_BYTES), launcher.hosts)
+        mesh.kill_signal = launcher.kill_signal
+        bind, advertise = addresses(launcher, bind)
+        control = f"{advertise}:{self.door.listen(bind).rsplit(':', 1)[1]}"
+        handover = TokenHandover(mesh.token, len(shape), launcher)
+        cmd = launcher.command(shape, worker_command(shape, control, mesh.id) + handover.args, advertise)
+        log.debug("spawning mesh %r (id %d): %s", name, mesh.id, " ".join(cmd))
+        self.jobs[mesh.id] = mesh
+        before = topology_files() if launcher.local else set()
+        workers = worker_env(env)
+        mesh.max_frame = config.max_frame(workers)  # what they accept, also when spawn_procs(env=...) sets it
+        try:
+            mesh.proc = launcher.start(cmd, workers)
+            assert mesh.proc.stdout is not None and mesh.proc.stderr is not None
+            out, err = mesh.proc.stdout, mesh.proc.stderr
+            self.poller.watch(out.fileno(), lambda: self._output(mesh, out, sys.stdout))
+            self.poller.watch(err.fileno(), lambda: self._output(mesh, err, sys.stderr))
+            timeout = config.spawn_timeout()
+            self.poller.drive(mesh.settled.is_set, time.monotonic() + timeout)
+        except SpawnError:
+            del self.jobs[mesh.id]
+            raise
+        finally:
+            handover.remove()  # every worker took its token file by now, or the spawn failed
+            mesh.leftovers = topology_files() - before if launcher.local else set()
+        if not mesh.settled.is_set() or mesh.failure is not None:
+            why = mesh.failure or f"not every worker connected within {timeout} s (MONARCH_SPAWN_TIMEOUT)"
+            self.stop(mesh, grace=0.5)
+            tail = "\n".join(mesh.stderr_tail) or "(nothing)"
+            raise SpawnError(f"spawning mesh {name!r} ({' '.join(cmd[:3])} ...) failed: {why}\n"
+                             f"worker stderr, last lines:\n{tail}")
+        return mesh
+
+    def stop(self, mesh: Job, grace: float = 5.0) -> None:
+        """Ask every worker to exit, wait for the job, and kill whatever is left of it."""
+        if mesh.stopping:
+            return
+        mesh.stopping = True
+        self.peers.fan_out(mesh, mesh.shape, codec.encode_frame([Stop()]))
+        if mesh.proc is not None:
+            terminate(mesh.proc, grace)
+            self.poller.drive(lambda: OUTPUT.drained(mesh.id), time.monotonic() + 1.0)  # its last lines
+        OUTPUT.flush(mesh.id)
+        remove(mesh.leftovers)  # the job is gone: what a killed launcher left goes too
+        err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} was stopped; spawn a new proc mesh")
+        self.ended[mesh.id] = err
+        mesh.fail_pending(err)
+        for conn in mesh.conns:
+            if conn is not None:
+                self.door.close(conn)
+        self.jobs.pop(mesh.id, None)
+
+    def shutdown(self) -> None:
+        for mesh in list(self.jobs.values()):
+            self.stop(mesh, grace=2.0)
+
+    def _output(self, mesh: Job, pipe: IO[bytes], stream: TextIO) -> None:
+        data, name = pipe.read1(65536), "stderr" if stream is sys.stderr else "stdout"
+        if not data:
+            self.poller.unwatch(pipe.fileno())
+            pipe.close()
+            OUTPUT.end(mesh.id, name)
+            if stream is sys.stderr:
+                self._job_exited(mesh)
+            return
+        text = data.decode(errors="replace")
+        mesh.note_output(name, text)
+        if RECORDER.on:
+            STORE.add(output_lines(mesh.shape, name, text), mesh.name)
+        OUTPUT.write(mesh.id, name, banner_free(text))  # to this console as logging_option says (telemetry/logs.py)
+
+    def _job_exited(self, mesh: Job) -> None:
+        assert mesh.proc is not None
+        try:
+            code = mesh.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return
+        if mesh.live:
+            rank, why = mesh.blamed() or (LAUNCHER, describe_exit(code))
+            self.peers.fail(mesh, rank, mesh.pids[rank] if rank >= 0 else mesh.proc.pid, why)

@@ -152,7 +152,7 @@ def singletons() -> Iterator[None]:
     for mesh_id in list(requests._singletons.values()):
         ctl = controller()
         if mesh_id in ctl.meshes:
-            ctl.stop(ctl.meshes[mesh_id])
+            ctl.lifecycle.stop(ctl.meshes[mesh_id])
     requests._singletons.clear()
 
 

@@ -12,8 +12,9 @@ import logging
 
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import CONTROLLER, ShipTelemetry
-from monarch.runtime.control.conn import Conn, Job, Jobs, TelemetrySink
+from monarch.runtime.control.conn import Conn, Job, TelemetrySink
 from monarch.runtime.control.futures import deadline_of
+from monarch.runtime.control.handlers.requests import Jobs
 from monarch.runtime.telemetry.events import RECORDER, Events
 from monarch.runtime.telemetry.store import STORE, Limits, Rows
 

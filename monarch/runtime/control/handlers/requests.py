@@ -15,13 +15,14 @@ import itertools
 import threading
 from collections.abc import Callable
 from contextlib import suppress
-from typing import Any
+from typing import Any, Protocol
 
 from monarch.errors import MeshError, SupervisionError
 from monarch.runtime.control import codec, launch
 from monarch.runtime.control.commands import (GetController, MeshRequest, Owner, ProcsInfo, Reply, SpawnActor,
                                               SpawnActors, SpawnProcs, StopProcs)
-from monarch.runtime.control.conn import Conn, Job, Jobs
+from monarch.runtime.control.conn import Conn, Job
+from monarch.runtime.control.futures import CallState, Inbox
 from monarch.runtime.telemetry.events import RECORDER, now_us
 from monarch.shape import Shape
 
@@ -32,6 +33,27 @@ _unnamed = itertools.count()  # proc meshes spawned without a name: procs, procs
 _singletons: dict[str, int] = {}  # singleton actor mesh name -> the id of the proc mesh it runs on
 _singletons_lock = threading.Lock()
 Answer = Callable[[bool, Any], None]
+
+
+class Jobs(Protocol):
+    """The Controller as its handlers use it: its jobs, how to start, reach and stop them (`lifecycle`), and
+    the channel receivers open on the client."""
+    meshes: dict[int, Job]
+    ports: dict[int, Inbox]
+    lifecycle: launch.Lifecycle
+
+    def mesh(self, mesh_id: int) -> Job: ...
+
+    def fan_out(self, mesh: Job, shape: Shape, frame: bytes, what: str = "a message") -> None: ...
+
+    def send_each(self, mesh_id: int, frames: dict[int, bytes], call_id: int, state: CallState | None,
+                  what: str = "the tensor program") -> None: ...
+
+    def send_rank(self, mesh: Job, r: int, frame: bytes) -> None: ...
+
+    def next_call_id(self) -> int: ...
+
+    def wait_until(self, done: Callable[[], bool], deadline: float | None) -> None: ...
 
 
 def keep_launcher(launcher: launch.Launcher) -> int:
@@ -86,8 +108,8 @@ def run(ctl: Jobs, op: MeshRequest, owner: Owner | None, answer: Answer) -> None
 def _spawn_procs(ctl: Jobs, op: SpawnProcs, owner: Owner | None) -> ProcsInfo:
     n = next(_unnamed) if not op.name else 0
     name = op.name or ("procs" if n == 0 else f"procs_{n}")
-    mesh = ctl.spawn(name, op.shape, launcher_of(op.launcher), dict(op.env) if op.env is not None else None,
-                     op.host)
+    env = dict(op.env) if op.env is not None else None
+    mesh = ctl.lifecycle.spawn(name, op.shape, launcher_of(op.launcher), env, op.host)
     mesh.owner = owner
     return info_of(mesh)
 
@@ -117,7 +139,7 @@ def stop_tree(ctl: Jobs, mesh: Job) -> None:
     """Stop the proc meshes that actors of `mesh` spawned (theirs first), then `mesh`."""
     for child in [m for m in list(ctl.meshes.values()) if m.owner is not None and m.owner.mesh_id == mesh.id]:
         stop_tree(ctl, child)
-    ctl.stop(mesh)
+    ctl.lifecycle.stop(mesh)
 
 
 def _get_controller(ctl: Jobs, op: GetController, owner: Owner | None) -> ProcsInfo:

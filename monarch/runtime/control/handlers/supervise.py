@@ -30,7 +30,8 @@ from types import FrameType
 from monarch.errors import SupervisionError
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import ActorFault, Escalate, MeshFailure, Owner, PortSend, Reply, Supervise
-from monarch.runtime.control.conn import Conn, Job, Jobs
+from monarch.runtime.control.conn import Conn, Job
+from monarch.runtime.control.handlers.requests import Jobs
 from monarch.runtime.telemetry.events import RECORDER, now_us
 
 log = logging.getLogger("monarch")
