@@ -134,7 +134,7 @@ def test_ddp_script_runs_with_torchruns_environment(procs: ProcMesh, probes, tmp
             "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(r), "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default"}
         assert env["MASTER_ADDR"] == "127.0.0.1"
         assert (env["MASTER_PORT"], env["TORCHELASTIC_RUN_ID"]) == (results[0]["env"]["MASTER_PORT"],
-                                                                   results[0]["env"]["TORCHELASTIC_RUN_ID"])
+                                                                    results[0]["env"]["TORCHELASTIC_RUN_ID"])
     expected = reference_params()
     for res in results:
         for got, want in zip(res["params"], expected, strict=True):

@@ -191,9 +191,9 @@ def plan_load(flat: Flat, md: Metadata, session: Any, path: str) -> LoadSet:
             whole_outs.append((fqn, shape, v.dtype if isinstance(v, torch.Tensor) else got.properties.dtype))
             reads[0] += _reads(fqn, md, (0,) * len(shape), shape)
         else:
-            reads[0].append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(fqn), dest_offsets=torch.Size(()),
-                                     storage_index=MetadataIndex(fqn), storage_offsets=torch.Size(()),
-                                     lengths=torch.Size(())))
+            reads[0].append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(fqn),
+                                     dest_offsets=torch.Size(()), storage_index=MetadataIndex(fqn),
+                                     storage_offsets=torch.Size(()), lengths=torch.Size(())))
     jobs = tuple(ReadJob(path, {i.storage_index: md.storage_data[i.storage_index] for i in reads[r]}, tuple(reads[r]),
                          tuple(outs[r]), tuple(whole_outs) if r == 0 else ()) for r in range(len(coords)))
     return LoadSet(tuple(targets), jobs)

@@ -104,7 +104,7 @@ def test_a_plain_dcp_checkpoint_loads_into_a_sharded_model(tmp_path: Path) -> No
     model.eval()
     data = batches(2, seed=4)
     assert losses(stepper(model, opt, False), data) == pytest.approx(losses(stepper(plain, plain_opt, False), data),
-                                                                       rel=1e-6)
+                                                                     rel=1e-6)
 
 
 def test_objects_plain_tensors_and_stateful_values_come_back(tmp_path: Path) -> None:
@@ -149,7 +149,7 @@ def test_the_random_stream_resumes_exactly(tmp_path: Path) -> None:
 
 
 def test_async_save_returns_before_the_disk_and_keeps_the_values_it_was_given(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The writes wait on a gate that opens only after a training step ran: async_save and that step
     return, and the checkpoint holds the values of the async_save call, not the later ones."""
     gate = threading.Event()

@@ -48,7 +48,7 @@ def test_eager_round_trip(procs: ProcMesh, tmp_path: Path) -> None:
 
 
 def test_a_failed_async_write_raises_on_the_future_and_keeps_the_earlier_checkpoint(procs: ProcMesh,
-                                                                                   tmp_path: Path) -> None:
+                                                                                    tmp_path: Path) -> None:
     model, opt = build(procs)
     step = stepper(model, opt, False)
     losses(step, batches(1))

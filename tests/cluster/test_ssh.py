@@ -233,4 +233,3 @@ def test_a_controller_killed_by_sigkill_leaves_nothing_on_the_hosts(testbed: Tes
     finally:
         ctl.kill()
         ctl.wait(timeout=T)
-

@@ -203,7 +203,7 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 def test_large_and_many_files_arrive_intact_within_the_frame_limit(small: ProcMesh, package: Package,
-                                                                  tmp_path: Path) -> None:
+                                                                   tmp_path: Path) -> None:
     src = package.src
     big = os.urandom(3 * LIMIT + 12345)
     (src / "big.bin").write_bytes(big)

@@ -79,4 +79,3 @@ def check(got: list[torch.Tensor], want: Any, rtol: float = 1e-4, atol: float = 
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True)
-

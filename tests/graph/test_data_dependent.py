@@ -27,6 +27,7 @@ from monarch.tensor import Partial, Replicate, Shard
 pytestmark = pytest.mark.usefixtures("strict")
 R, P, S0 = Replicate(), Partial("sum"), Shard(0)
 
+
 def points(x: torch.Tensor) -> torch.Tensor:
     """x as points (..., N) for histogramdd: a 1-d x as points of one coordinate."""
     return x if x.ndim > 1 else x.unsqueeze(-1)

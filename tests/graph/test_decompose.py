@@ -104,7 +104,8 @@ def test_decomposition_reaching_an_op_without_rule(mesh: LocalMesh, monkeypatch:
     x = torch.randn(8, 6)
     dx = monarch.distribute_tensor(x, mesh, [Shard(0), Shard(1)])
     monkeypatch.setenv("MONARCH_STRICT", "1")
-    with pytest.raises(UnsupportedOpError, match="hardswish: no sharding rule, and its decomposition needs aten::clamp"):
+    with pytest.raises(UnsupportedOpError,
+                       match="hardswish: no sharding rule, and its decomposition needs aten::clamp"):
         F.hardswish(dx)
     monkeypatch.delenv("MONARCH_STRICT")
     monkeypatch.setattr(propagate, "_warned", set())

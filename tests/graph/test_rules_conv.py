@@ -127,7 +127,7 @@ POOLS: dict[str, Callable[[torch.Tensor], Any]] = {
     "max_unpool2d": lambda x: F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2),
     "max_unpool3d": lambda x: F.max_unpool3d(*F.max_pool3d(x, 2, return_indices=True), 2),
     "fractional_max_pool2d": lambda x: F.fractional_max_pool2d(x, 2, output_size=3, return_indices=True,
-                                                                _random_samples=samples(x)),
+                                                               _random_samples=samples(x)),
     "fractional_max_pool3d": lambda x: F.fractional_max_pool3d(x, 2, output_size=2, _random_samples=samples(x)),
     "nearest": lambda x: F.interpolate(x, scale_factor=2),
     "nearest_exact": lambda x: F.interpolate(x, size=(5, 7), mode="nearest-exact"),

@@ -154,7 +154,7 @@ def test_pinv_tolerance_tensors_broadcast() -> None:
     mesh = reference_mesh({"dp": 2, "tp": 2})
     a, atol, rtol = torch.randn(4, 3, 5, 4), torch.rand(4, 3) * 0.5, torch.rand(3) * 0.1
     got, comms = run(mesh, lambda x: torch.linalg.pinv(x, atol=monarch.distribute_tensor(atol, mesh, BATCH),
-                                                        rtol=monarch.distribute_tensor(rtol, mesh, (R, Shard(0)))),
+                                                       rtol=monarch.distribute_tensor(rtol, mesh, (R, Shard(0)))),
                      monarch.distribute_tensor(a, mesh, BATCH))
     check(got, torch.linalg.pinv(a, atol=atol, rtol=rtol), rtol=1e-4, atol=1e-4)
     assert comms == [], comms

@@ -126,7 +126,7 @@ def test_rule_offers_every_other_dim() -> None:
     call = OpCall(aten.median.dim, (spec, 1), {}, (spec,), (out, out))
     strategies = RULES[aten.median.dim](call, 0)
     assert [(s.inputs, s.outputs) for s in strategies] == [((Shard(0),), (Shard(0),) * 2),
-                                                          ((Shard(2),), (Shard(1),) * 2)]
+                                                           ((Shard(2),), (Shard(1),) * 2)]
     sort = OpCall(aten.sort.default, (spec,), {}, (spec,), (spec, spec))
     assert [s.inputs for s in RULES[aten.sort.default](sort, 0)] == [(Shard(0),), (Shard(1),)]  # dim=-1 default
 

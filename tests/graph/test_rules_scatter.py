@@ -236,7 +236,6 @@ def test_max_partial_passes_through_amax() -> None:
         assert out.placements == (MAX,) and comms == [], (out.placements, comms)
 
 
-
 def test_adding_ops_pass_only_sum_partials() -> None:
     """index_add and accumulating index_put of two P(max) operands: the pieces' sums are not the sum of
     their maxima, so the operands are reduced first (an overwriting index_put keeps P(max))."""
@@ -250,6 +249,7 @@ def test_adding_ops_pass_only_sum_partials() -> None:
         out, _ = placed(mesh, lambda x, y, i: torch.index_put(x.amax(0), (i,), y.amax(0), accumulate),
                         (x, [Shard(0)]), (y, [Shard(0)]), (i, [R]))
         assert (out.placements == (MAX,)) != accumulate, (accumulate, out.placements)
+
 
 def test_empty_pieces() -> None:
     """Most of the 4 ranks hold nothing of a size-1 or size-2 dim; every rank still gives the right result."""
@@ -265,7 +265,6 @@ def test_empty_pieces() -> None:
     data = torch.randn(2, 0, 3, generator=gen)
     placed(mesh, lambda d, n: torch.segment_reduce(d, "sum", lengths=n, axis=1),
            (data, [Shard(2)]), (torch.zeros(2, 2, dtype=torch.long), [R]))
-
 
 
 def grads_of(mesh: Any, fn: Callable[..., Any], *inputs: tuple[torch.Tensor, list]) -> None:
@@ -300,6 +299,7 @@ def test_backward() -> None:
     data, lengths = torch.randn(4, 9, 3, generator=gen), torch.tensor([[4, 0, 5]] * 4)
     grads_of(mesh, lambda d, n: torch.segment_reduce(d, "mean", lengths=n, axis=1, initial=0.0),
              (data, [Shard(0), Shard(2)]), (lengths, [Shard(0), R]))
+
 
 # -- the rules on hand-built specs -----------------------------------------------------------------
 def call_of(op: Any, args: tuple, *shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> OpCall:

@@ -286,4 +286,3 @@ def per_sample_weights_backward(call: OpCall, mdim: int) -> list[Strategy]:
     rest = (R,) * (len(call.ins) - 2)
     return [Strategy((Shard(1), Shard(1), *rest), (P,), PADDED), Strategy((P, R, *rest), (P,)),
             Strategy((R, P, *rest), (P,))]
-

@@ -121,8 +121,8 @@ def _lstsq_meta(a: torch.Tensor, b: torch.Tensor, rcond: float | None = None,
     batch = tuple(torch.broadcast_shapes(a.shape[:-2], rhs.shape[:-2]))
     if m > n and driver in ("gelss", "gelsd"):
         raise UnsupportedOpError(f"linalg.lstsq with driver={driver!r} and more rows than columns: whether it "
-                                  "returns residuals depends on the ranks of the matrices; use driver='gels' or "
-                                  "'gelsy' on a MeshTensor, or compute the residuals from the solution")
+                                 "returns residuals depends on the ranks of the matrices; use driver='gels' or "
+                                 "'gelsy' on a MeshTensor, or compute the residuals from the solution")
     solution = _column_major(batch, max(m, n), k, a).narrow(-2, 0, n)
     real = a.real.dtype if a.is_complex() else a.dtype
     residuals = a.new_empty((*batch, k) if m > n and driver != "gelsy" else (0,), dtype=real)

@@ -25,7 +25,8 @@ EINSUM = {
     aten.addmv.default: "mk,k->m",
     aten.addbmm.default: "bmk,bkn->mn",
 }
-ADDITIVE = {aten.addmm.default, aten.baddbmm.default, aten.addbmm.default, aten.addmv.default}  # first input is added to the product
+# first input is added to the product
+ADDITIVE = {aten.addmm.default, aten.baddbmm.default, aten.addbmm.default, aten.addmv.default}
 
 
 def einsum_strategies(eq: str) -> list[tuple[tuple[Placement, ...], Placement]]:

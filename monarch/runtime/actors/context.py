@@ -84,4 +84,3 @@ def context() -> Context:
 def current_actor_name() -> str:
     """The name of the running actor (its actor mesh's name), "client" outside actors."""
     return context().actor_instance.name
-

@@ -154,4 +154,3 @@ class Accumulator(Generic[R, A]):
                 value = self._combine(value, s.value(i))
             return value
         return Future(state, waiter, fold)
-

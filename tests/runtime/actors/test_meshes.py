@@ -162,7 +162,7 @@ def test_proc_and_host_meshes_pickle_as_references(procs: ProcMesh) -> None:
     for dumps in (pickle.dumps, cloudpickle.dumps):
         copy = pickle.loads(dumps(procs))
         assert (copy.name, copy.extent, copy.pids, copy.hostnames) == (procs.name, procs.extent, procs.pids,
-                                                                        procs.hostnames)
+                                                                       procs.hostnames)
         assert copy._mesh is procs._mesh and copy.running
         view = pickle.loads(dumps(procs.slice(dp=1)))
         assert view.extent == {"tp": 2} and view.pids == procs.pids[2:]

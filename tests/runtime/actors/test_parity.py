@@ -193,8 +193,8 @@ def test_context_names_the_actor_and_the_message_rank(procs: ProcMesh) -> None:
     assert got["message_rank"] == {}  # its point in the one-actor view it was called on
     row = echo.slice(dp=1).who.call().get(timeout=T)
     assert [v["message_rank"] for v in row.values()] == [{"tp": 0}, {"tp": 1}]
-    assert [v["message_rank"] for v in echo.who.call().get(timeout=T).values()] == [v["rank"] for v in
-                                                                                 echo.who.call().get(timeout=T).values()]
+    assert [v["message_rank"] for v in echo.who.call().get(timeout=T).values()] == [
+        v["rank"] for v in echo.who.call().get(timeout=T).values()]
     assert got["cls"].endswith("Echo") and got["creator"] is None and "echo_ctx" in got["id"]
     assert current_actor_name() == "client" and context().actor_instance.name == "client"
 
@@ -252,7 +252,7 @@ def test_an_exception_with_a_caller_goes_to_the_caller_and_the_actor_lives(procs
 
 @pytest.mark.parametrize("how", ["broadcast", "explicit_port", "base_exception", "init"])
 def test_failures_nobody_can_catch_stop_the_actor_and_reach_the_client(procs: ProcMesh, faults: list,
-                                                                      how: str) -> None:
+                                                                       how: str) -> None:
     name = f"victim_{how}"
     if how == "init":
         victim = procs.slice(dp=1, tp=1).spawn(name, BadInit)
@@ -300,7 +300,7 @@ print("survived", flush=True)
 
 @pytest.mark.parametrize("hook", ["default", "replaced"])
 def test_an_unhandled_fault_exits_the_client_with_status_1_unless_the_hook_says_otherwise(tmp_path: Path,
-                                                                                         hook: str) -> None:
+                                                                                          hook: str) -> None:
     script = tmp_path / "client.py"
     script.write_text(SCRIPT)
     t0 = time.monotonic()
@@ -386,7 +386,7 @@ assert ma.gpu_direct_rdma_supported() is False and ma.config.max_frame() > 0
 ma.shutdown_context().get(timeout=30)
 assert not mesh.running and not local.running
 print("old names ok", flush=True)
-"""
+"""  # noqa: E501
 
 
 def test_monarchs_older_names_work(tmp_path: Path) -> None:

@@ -112,7 +112,7 @@ def test_list_attach_cast_continue(debugee: ActorMesh, capsys: pytest.CaptureFix
 
 
 def test_a_timeout_says_a_breakpoint_is_waiting(debugee: ActorMesh, monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     fut = debugee.to_debug.call(0)
     dc = debug_controller()
     dc.wait_pending_session(2, timeout=T)

@@ -84,6 +84,6 @@ def test_plain_saves_are_unchanged(tmp_path: Path) -> None:
     buf.seek(0)
     back = torch.load(buf, weights_only=False)
     assert torch.equal(back["w"], obj["w"]) and back["nested"][1] == (1, "x") and torch.equal(back["holder"].t,
-                                                                                               torch.zeros(1))
+                                                                                              torch.zeros(1))
     torch.save(obj["w"], tmp_path / "w.pt")
     assert torch.equal(torch.load(tmp_path / "w.pt"), obj["w"])
