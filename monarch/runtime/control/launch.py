@@ -38,6 +38,7 @@ from monarch.runtime.telemetry.store import STORE
 from monarch.shape import Shape
 
 log = logging.getLogger("monarch.controller")
+DRAIN_S = 5.0  # how long a stop waits for the last output of a job that exited (its pipes' ends, once read)
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -289,7 +290,7 @@ class Lifecycle:
         self.peers.fan_out(mesh, mesh.shape, codec.encode_frame([Stop()]))
         if mesh.proc is not None:
             terminate(mesh.proc, grace)
-            self.poller.drive(lambda: OUTPUT.drained(mesh.id), time.monotonic() + 1.0)  # its last lines
+            self.poller.drive(lambda: OUTPUT.drained(mesh.id), time.monotonic() + DRAIN_S)  # its last lines
         OUTPUT.flush(mesh.id)
         remove(mesh.leftovers)  # the job is gone: what a killed launcher left goes too
         err = mesh.failure or SupervisionError(f"mesh {mesh.name!r} was stopped; spawn a new proc mesh")
