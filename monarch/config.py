@@ -41,6 +41,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_WORKER_THREADS", "0", "torch intra-op threads per worker (0: the host's cores over its workers)"),
     Flag("MONARCH_BUCKET_BYTES", str(4 << 20), "compiled steps: all_reduces start early and share buckets up to "
          "this size (0: run them where they are, blocking)"),
+    Flag("MONARCH_TRANSPORT", "auto", "data plane of tensor collectives: auto (shared memory for a group whose "
+         "ranks share a host, MPI across hosts), mpi, or shm (every group must be on one host)"),
     Flag("MONARCH_TELEMETRY", "1", "0 turns off recording of telemetry events (messages, programs, failures, ...)"),
     Flag("MONARCH_PROFILE", "0", "1 records the time of every tensor instruction on the workers (ops table)"),
     Flag("MONARCH_TELEMETRY_DB", "", "a file for the telemetry database (default: in memory)"),
@@ -57,6 +59,11 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "worker`); agents keep it out of what they start"),
     Flag("MONARCH_ATTACH_SECRET_FILE", "", "attach mode: a file holding that secret, read when "
          "MONARCH_ATTACH_SECRET is unset (Kubernetes pods mount it from a Secret)"),
+    Flag("MONARCH_RDMA_BACKEND", "auto", "one-sided transfers (monarch.rdma, to_mesh): auto picks ibverbs where both "
+         "ends have an RDMA device, shm (cross-memory attach) between processes of one host, else tcp; or force one"),
+    Flag("MONARCH_RDMA_ALLOW_TCP_FALLBACK", "1", "0: a one-sided transfer that only TCP can carry raises TransportError "
+         "instead of warning once and using TCP"),
+    Flag("MONARCH_RDMA_TIMEOUT", "30", "seconds a one-sided transfer that to_mesh runs may take before it fails"),
     Flag("MONARCH_WORKSPACE_DIR", "~/.cache/monarch/workspaces", "where workers keep the copies sync_workspace "
          "makes: <dir>/<hostname>/<name>-<hash of the source path>"),
 ]}
@@ -114,6 +121,15 @@ def _str(name: str) -> str:
     return FLAGS[name].raw()
 
 
+def _choice(*allowed: str) -> Callable[[str], str]:
+    """A cast that accepts one of `allowed` (case-insensitive)."""
+    def cast(s: str) -> str:
+        if s.strip().lower() not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return s.strip().lower()
+    return cast
+
+
 def debug() -> bool:
     return _bool("MONARCH_DEBUG")
 
@@ -167,6 +183,18 @@ def bucket_bytes() -> int:
     return _int("MONARCH_BUCKET_BYTES")
 
 
+TRANSPORTS = ("auto", "mpi", "shm")
+
+
+def transport() -> str:
+    """MONARCH_TRANSPORT, one of TRANSPORTS."""
+    def pick(s: str) -> str:
+        if s.strip().lower() not in TRANSPORTS:
+            raise ValueError(f"choose one of {', '.join(TRANSPORTS)}")
+        return s.strip().lower()
+    return _parse("MONARCH_TRANSPORT", pick)
+
+
 def telemetry() -> bool:
     return _bool("MONARCH_TELEMETRY")
 
@@ -202,6 +230,18 @@ def query_timeout() -> float:
 def max_local_procs() -> int:
     """MONARCH_MAX_LOCAL_PROCS, else 16 worker processes per core of this host."""
     return _int("MONARCH_MAX_LOCAL_PROCS") if _str("MONARCH_MAX_LOCAL_PROCS").strip() else 16 * (os.cpu_count() or 1)
+
+
+def rdma_backend() -> str:
+    return _parse("MONARCH_RDMA_BACKEND", _choice("auto", "ibverbs", "shm", "tcp"))
+
+
+def rdma_allow_tcp_fallback() -> bool:
+    return _bool("MONARCH_RDMA_ALLOW_TCP_FALLBACK")
+
+
+def rdma_timeout() -> float:
+    return _float("MONARCH_RDMA_TIMEOUT")
 
 
 def workspace_dir() -> str:

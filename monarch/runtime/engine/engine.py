@@ -22,11 +22,15 @@ from monarch.runtime.telemetry.events import RECORDER, now_us
 
 
 class Transport(Protocol):
-    """Runs this rank's part of a collective (blocking), or starts a bucketed all_reduce."""
+    """Runs this rank's part of a collective (blocking), or starts a bucketed all_reduce of `flat` (a fresh
+    flat copy of the bucket's buffers, the transport's to reduce in place); `name` is what runs the
+    collectives over mesh dim `mdim` (the `transport` column of the collectives table)."""
 
     def __call__(self, ins: Comm, x: torch.Tensor) -> torch.Tensor: ...
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]: ...
+
+    def name(self, mdim: int) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,8 @@ class Engine:
             return
         self.comm_output(ins, out)
         if RECORDER.on:
-            RECORDER.add("collectives", (self.rank, ins.kind, ins.mdim, x.nbytes, start, now_us()))
+            RECORDER.add("collectives", (self.rank, ins.kind, ins.mdim, x.nbytes, start, now_us(),
+                                         self.transport.name(ins.mdim)))
 
     def bucket_input(self, ins: Start) -> torch.Tensor:
         """The bucket's buffers flattened into one (zeros for poisoned ones)."""
@@ -167,7 +172,8 @@ class Engine:
         flat = self.bucket_input(ins)
         self.pending[ins.outs] = (ins, self.transport.start(ins, flat))
         if RECORDER.on:
-            RECORDER.add("collectives", (self.rank, "all_reduce (bucket)", ins.mdim, flat.nbytes, now_us(), 0))
+            RECORDER.add("collectives", (self.rank, "all_reduce (bucket)", ins.mdim, flat.nbytes, now_us(), 0,
+                                         self.transport.name(ins.mdim)))
 
     def wait(self, ins: Wait) -> None:
         entry = self.pending.pop(ins.outs, None)

@@ -1,22 +1,26 @@
-"""The worker's tensor engine service: runs RunProgram messages on the Engine with the MPI transport.
+"""The worker's tensor engine service: runs RunProgram messages on the Engine and picks each collective's transport.
 
 It maps the program's mesh view to this rank's coordinates and to the world ranks of each collective
-group, and packs the reply of a synchronising program (the fetched value, or the first error).
+group, runs a group's collectives on shared memory when its ranks share this host and on MPI otherwise
+(MONARCH_TRANSPORT), and packs the reply of a synchronising program (the fetched value, or the first error).
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from monarch import config
-from monarch.program.instr import Free, Instr
+from monarch.errors import TransportError
+from monarch.program.instr import Comm, Free, Instr, Start
 from monarch.program.program import assemble
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import InstallProgram, InvokeProgram, RunProgram
-from monarch.runtime.engine.engine import Engine
+from monarch.runtime.engine.engine import Engine, Transport
 from monarch.runtime.engine.transport.mpi import MpiTransport
+from monarch.runtime.engine.transport.shm import ShmTransport, shares_memory
 from monarch.runtime.telemetry.events import RECORDER, now_us
 from monarch.shape import Shape, group_coords
 
@@ -25,7 +29,7 @@ class TensorService:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         torch.set_num_threads(threads_per_worker())
-        self.engine = Engine(rank, MpiTransport(self._group))
+        self.engine = Engine(rank, Transports(self._group, config.transport()))
         self._view: Shape | None = None
         self._coords: tuple[int, ...] = ()
         self._places: dict[Shape, tuple[tuple[int, ...], str]] = {}
@@ -79,6 +83,40 @@ class TensorService:
         if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
             value = value.clone()  # a view (a slice) would pickle its whole base tensor
         return True, codec.dumps_data(value)
+
+
+class Transports:
+    """Runs each collective on the transport of its group: shared memory when all the group's ranks share
+    this host (decided once per group, by its members), else MPI; `mode` (MONARCH_TRANSPORT) can force one."""
+
+    def __init__(self, group_of: Callable[[int], tuple[int, ...]], mode: str) -> None:
+        self.group_of, self.mode = group_of, mode
+        self.mpi = MpiTransport(group_of)
+        self.shm = ShmTransport(lambda mdim: self.mpi.comm_for(group_of(mdim)))
+        self._local: dict[tuple[int, ...], bool] = {}
+
+    def pick(self, mdim: int) -> Transport:
+        if self.mode == "mpi":
+            return self.mpi
+        ranks = self.group_of(mdim)
+        local = self._local.get(ranks)
+        if local is None:
+            local = self._local[ranks] = shares_memory(self.mpi.comm_for(ranks))
+        if local:
+            return self.shm
+        if self.mode == "shm":
+            raise TransportError(f"MONARCH_TRANSPORT=shm, but the ranks {ranks} of mesh dim {mdim} are on more than "
+                                 "one host; set MONARCH_TRANSPORT=auto (shared memory within a host, MPI across)")
+        return self.mpi
+
+    def name(self, mdim: int) -> str:
+        return self.pick(mdim).name(mdim)
+
+    def __call__(self, ins: Comm, x: torch.Tensor) -> torch.Tensor:
+        return self.pick(ins.mdim)(ins, x)
+
+    def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return self.pick(ins.mdim).start(ins, flat)
 
 
 def threads_per_worker() -> int:

@@ -30,7 +30,7 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
     "ops": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("program", "BIGINT"), ("op", "VARCHAR"),
             ("instructions", "INTEGER"), ("start_us", "BIGINT"), ("end_us", "BIGINT")),
     "collectives": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("kind", "VARCHAR"), ("mdim", "INTEGER"),
-                    ("bytes", "BIGINT"), ("start_us", "BIGINT"), ("end_us", "BIGINT")),
+                    ("bytes", "BIGINT"), ("start_us", "BIGINT"), ("end_us", "BIGINT"), ("transport", "VARCHAR")),
     "memory": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("rss_bytes", "BIGINT"), ("tensor_bytes", "BIGINT"),
                ("buffers", "INTEGER"), ("cuda_allocated_bytes", "BIGINT"), ("cuda_reserved_bytes", "BIGINT"),
                ("time_us", "BIGINT")),

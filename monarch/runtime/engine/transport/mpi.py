@@ -20,6 +20,7 @@ from monarch.tensor.placement import chunk
 
 OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 RAW = {torch.bfloat16: torch.int16}
+WIDE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.bool: torch.uint8}  # reduced as
 
 
 class MpiTransport:
@@ -38,13 +39,16 @@ class MpiTransport:
             group.Free()
         return c
 
+    def name(self, mdim: int) -> str:
+        return "mpi"
+
     def __call__(self, ins: Comm, x: torch.Tensor) -> torch.Tensor:
         comm = self.comm_for(self.group_of(ins.mdim))
         return KINDS[ins.kind](comm, ins, x.resolve_conj().resolve_neg())
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Begin a non-blocking all_reduce of a flat bucket; the returned callable waits for it."""
-        buf, back = _reducible(flat)
+        buf, back = _reducible(flat, private=False)  # the bucket is a fresh flat copy: reduced in place
         req = self.comm_for(self.group_of(ins.mdim)).Iallreduce(MPI.IN_PLACE, _np(buf), op=OPS[ins.op])
 
         def finish() -> torch.Tensor:
@@ -57,66 +61,102 @@ def _np(t: torch.Tensor):  # noqa: ANN202 - a numpy view of a contiguous tensor'
     return t.view(RAW[t.dtype]).numpy() if t.dtype in RAW else t.numpy()
 
 
-def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x.movedim(dim, 0).contiguous()
+def front_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    """`shape` with `dim` moved to the front: the layout a piece travels in."""
+    return (shape[dim], *shape[:dim], *shape[dim + 1:])
+
+
+def pack(dst: torch.Tensor, parts: list[torch.Tensor], dim: int) -> None:
+    """Write `parts` one after the other into the flat `dst`, each with `dim` moved to the front (one copy)."""
+    at = 0
+    for p in parts:
+        moved = p.movedim(dim, 0)
+        dst[at:at + p.numel()].view(moved.shape).copy_(moved)
+        at += p.numel()
+
+
+def unpack(flats: list[torch.Tensor], shapes: list[tuple[int, ...]], dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The pieces `flats` (each laid out by `front_shape(shape, dim)`) concatenated along `dim` (one copy)."""
+    first = shapes[0]
+    out = torch.empty((*first[:dim], sum(s[dim] for s in shapes), *first[dim + 1:]), dtype=dtype)
+    at = 0
+    for flat, shape in zip(flats, shapes, strict=True):
+        out.narrow(dim, at, shape[dim]).copy_(flat.view(front_shape(shape, dim)).movedim(0, dim))
+        at += shape[dim]
+    return out
+
+
+def dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` contiguous in `dtype`: itself when it already is, else one copy that converts and lays it out."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return torch.empty(t.shape, dtype=dtype).copy_(t)
+
+
+def _split(flat: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    return list(flat.split(counts)) if counts else []
 
 
 def all_gather(comm: MPI.Intracomm, ins: Comm, x: torch.Tensor) -> torch.Tensor:
     counts = [prod(s) for s in ins.shapes]
-    send = _front(x, ins.dim)
     recv = torch.empty(sum(counts), dtype=x.dtype)
-    comm.Allgatherv(_np(send), [_np(recv), counts])
-    pieces, at = [], 0
-    for shape, n in zip(ins.shapes, counts, strict=True):
-        moved = (shape[ins.dim], *shape[:ins.dim], *shape[ins.dim + 1:])
-        pieces.append(recv[at:at + n].view(moved))
-        at += n
-    return torch.cat(pieces, 0).movedim(0, ins.dim).contiguous()
+    comm.Allgatherv(_np(x.movedim(ins.dim, 0).contiguous()), [_np(recv), counts])
+    if ins.dim == 0:  # the pieces, one after the other, are already the result
+        first = ins.shapes[0]
+        return recv.view(sum(s[0] for s in ins.shapes), *first[1:])
+    return unpack(_split(recv, counts), list(ins.shapes), ins.dim, x.dtype)
 
 
 def all_reduce(comm: MPI.Intracomm, ins: Comm, x: torch.Tensor) -> torch.Tensor:
-    buf, back = _reducible(x)
+    buf, back = _reducible(x, private=True)
     comm.Allreduce(MPI.IN_PLACE, _np(buf), op=OPS[ins.op])
     return buf.to(back) if back is not None else buf
 
 
 def reduce_scatter(comm: MPI.Intracomm, ins: Comm, x: torch.Tensor) -> torch.Tensor:
-    buf, back = _reducible(_front(x, ins.dim))
+    buf, back = _reducible(x.movedim(ins.dim, 0), private=False)
     k, n = len(ins.shapes), x.shape[ins.dim]
     rest = prod(buf.shape[1:])
     counts = [chunk(n, k, i)[1] * rest for i in range(k)]
     me = comm.Get_rank()
     recv = torch.empty(counts[me], dtype=buf.dtype)
     comm.Reduce_scatter(_np(buf), _np(recv), counts, op=OPS[ins.op])
-    out = recv.view(chunk(n, k, me)[1], *buf.shape[1:]).movedim(0, ins.dim).contiguous()
-    return out.to(back) if back is not None else out
+    out = recv.view(chunk(n, k, me)[1], *buf.shape[1:]).movedim(0, ins.dim)
+    return dense(out, back or out.dtype)
 
 
 def all_to_all(comm: MPI.Intracomm, ins: Comm, x: torch.Tensor) -> torch.Tensor:
     k, me = len(ins.shapes), comm.Get_rank()
-    n = x.shape[ins.dim]
-    sends = [_front(x.narrow(ins.dim, *chunk(n, k, j)), ins.cat_dim) for j in range(k)]
-    send = torch.cat([s.reshape(-1) for s in sends]) if sends else x.new_empty(0)
-    mine = chunk(n, k, me)[1]
-    recv_shapes = [tuple(mine if d == ins.dim else s for d, s in enumerate(shape)) for shape in ins.shapes]
+    parts = [x.narrow(ins.dim, *chunk(x.shape[ins.dim], k, j)) for j in range(k)]
+    send = torch.empty(x.numel(), dtype=x.dtype)
+    pack(send, parts, ins.cat_dim)
+    recv_shapes = received_shapes(ins, me)
     rcounts = [prod(s) for s in recv_shapes]
     recv = torch.empty(sum(rcounts), dtype=x.dtype)
-    comm.Alltoallv([_np(send), [s.numel() for s in sends]], [_np(recv), rcounts])
-    pieces, at = [], 0
-    for shape, c in zip(recv_shapes, rcounts, strict=True):
-        moved = (shape[ins.cat_dim], *shape[:ins.cat_dim], *shape[ins.cat_dim + 1:])
-        pieces.append(recv[at:at + c].view(moved))
-        at += c
-    return torch.cat(pieces, 0).movedim(0, ins.cat_dim).contiguous()
+    comm.Alltoallv([_np(send), [p.numel() for p in parts]], [_np(recv), rcounts])
+    if ins.cat_dim == 0:
+        first = recv_shapes[0]
+        return recv.view(sum(s[0] for s in recv_shapes), *first[1:])
+    return unpack(_split(recv, rcounts), recv_shapes, ins.cat_dim, x.dtype)
 
 
-def _reducible(x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
-    """A private contiguous copy MPI can reduce, and the dtype to convert the result back to."""
-    if x.dtype in (torch.bfloat16, torch.float16):
-        return x.to(torch.float32).contiguous(), x.dtype
-    if x.dtype == torch.bool:
-        return x.to(torch.uint8).contiguous(), torch.bool
-    return x.clone(memory_format=torch.contiguous_format), None
+def received_shapes(ins: Comm, me: int) -> list[tuple[int, ...]]:
+    """all_to_all: the shape of the piece member `me` receives from each member, in group order."""
+    return [part_shape(s, ins.dim, len(ins.shapes), me) for s in ins.shapes]
+
+
+def part_shape(shape: tuple[int, ...], dim: int, k: int, j: int) -> tuple[int, ...]:
+    """The shape of part j of k when `shape` is split along `dim` as torch.chunk splits it."""
+    return tuple(chunk(shape[dim], k, j)[1] if d == dim else n for d, n in enumerate(shape))
+
+
+def _reducible(x: torch.Tensor, private: bool) -> tuple[torch.Tensor, torch.dtype | None]:
+    """`x` contiguous in a dtype MPI can reduce (a copy of its own when `private`: it is reduced in
+    place), and the dtype to convert the result back to."""
+    wide = WIDE.get(x.dtype)
+    if wide is not None:
+        return x.to(wide, memory_format=torch.contiguous_format), x.dtype
+    return (x.clone(memory_format=torch.contiguous_format) if private else x.contiguous()), None
 
 
 KINDS = {"all_gather": all_gather, "all_reduce": all_reduce, "reduce_scatter": reduce_scatter,

@@ -1,0 +1,99 @@
+"""Run under `mpiexec -n K`: random collectives through the MPI and the shared-memory transports of every
+rank, checked against each other and against plain torch; prints one line per rank ("ok N" or the failure)."""
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+from mpi4py import MPI
+
+from monarch.program.instr import Comm, Start
+from monarch.runtime.engine.transport.mpi import MpiTransport
+from monarch.runtime.engine.transport.shm import ShmTransport
+from monarch.tensor.placement import chunk
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64]
+KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "bucket"]
+
+
+def full(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Member-specific data, the same on every rank for a given seed."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, shape, generator=g) if not dtype.is_floating_point and not dtype.is_complex else None
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if x is not None:
+        return x.to(dtype)
+    if dtype.is_complex:
+        return torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g)).to(dtype)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def want_reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    wide = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.bool: torch.uint8}.get(xs[0].dtype)
+    acc = xs[0].to(wide) if wide else xs[0].clone()
+    for x in xs[1:]:
+        y = x.to(wide) if wide else x
+        acc = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}[op](acc, y)
+    return acc.to(xs[0].dtype)
+
+
+def case(rng: random.Random, k: int, me: int, step: int) -> tuple[str, Comm | Start, list[torch.Tensor], torch.Tensor]:
+    kind, dtype = rng.choice(KINDS), rng.choice(DTYPES)
+    op = "sum" if dtype.is_complex else rng.choice(["sum", "max", "min", "prod"])
+    ndim = rng.randint(1, 3)
+    base = [rng.randint(1, 6) for _ in range(ndim)]
+    dim, cat = rng.randrange(ndim), rng.randrange(ndim)
+    uneven = kind == "all_gather" and rng.random() < 0.5
+    shapes = tuple(tuple(b if d != dim or not uneven else random.Random(step * 31 + r).randint(0, 6)
+                         for d, b in enumerate(base)) for r in range(k)) if uneven else (tuple(base),) * k
+    xs = [full(step * 100 + r, shapes[r], dtype) for r in range(k)]
+    if rng.random() < 0.3 and ndim > 1:  # a strided piece: transposed storage
+        xs = [x.mT.contiguous().mT for x in xs]
+    if dtype.is_complex and rng.random() < 0.5:
+        xs = [x.conj() for x in xs]
+    if kind == "all_reduce":
+        return kind, Comm(kind, 1, 2, 0, shapes, dtype, op=op), xs, want_reduce(xs, op)
+    if kind == "bucket":
+        return kind, Start((1,), (2,), 0, op, dtype, (shapes[0],)), xs, want_reduce(xs, op).reshape(-1)
+    if kind == "all_gather":
+        return kind, Comm(kind, 1, 2, 0, shapes, dtype, dim=dim), xs, torch.cat([x.resolve_conj() for x in xs], dim)
+    if kind == "reduce_scatter":
+        return kind, Comm(kind, 1, 2, 0, shapes, dtype, dim=dim, op=op), xs, \
+            want_reduce(xs, op).narrow(dim, *chunk(base[dim], k, me))
+    want = torch.cat([x.resolve_conj().narrow(dim, *chunk(base[dim], k, me)) for x in xs], cat)
+    return kind, Comm(kind, 1, 2, 0, shapes, dtype, dim=dim, cat_dim=cat), xs, want
+
+
+def main(seed: int, n: int) -> None:
+    world = MPI.COMM_WORLD
+    k, me = world.Get_size(), world.Get_rank()
+    ranks = tuple(range(k))
+    mpi = MpiTransport(lambda mdim: ranks)
+    shm = ShmTransport(lambda mdim: mpi.comm_for(ranks))
+    rng = random.Random(seed)
+    for step in range(n):
+        kind, ins, xs, want = case(rng, k, me, step)
+        x = xs[me]
+        if kind == "bucket":
+            flat = x.reshape(-1)
+            a, b = mpi.start(ins, flat.clone())(), shm.start(ins, flat.clone())()
+        else:
+            a, b = mpi(ins, x), shm(ins, x)
+        assert torch.equal(x, xs[me]), f"{ins!r}: the input changed"
+        exact = k <= 2 or not (ins.dtype.is_floating_point or ins.dtype.is_complex) or kind in ("all_gather", "all_to_all")
+        for got, who in ((a, "mpi"), (b, "shm")):
+            assert got.dtype == want.dtype and got.shape == want.shape, f"{who} {ins!r}: {got.shape} {want.shape}"
+            assert got.is_contiguous(), f"{who} {ins!r}: not contiguous"
+            tol = {} if exact else {"rtol": 1e-2, "atol": 1e-2}
+            torch.testing.assert_close(got, want, equal_nan=True, **(tol or {"rtol": 0, "atol": 0}),
+                                       msg=lambda m: f"{who} {ins!r}: {m}")
+        if exact:
+            assert torch.equal(a, b) or (a.isnan() & b.isnan()).any(), f"{ins!r}: mpi and shm differ"
+    shm.close()
+    print(f"ok {n}", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
