@@ -61,8 +61,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "MONARCH_ATTACH_SECRET is unset (Kubernetes pods mount it from a Secret)"),
     Flag("MONARCH_RDMA_BACKEND", "auto", "one-sided transfers (monarch.rdma, to_mesh): auto picks ibverbs where both "
          "ends have an RDMA device, shm (cross-memory attach) between processes of one host, else tcp; or force one"),
-    Flag("MONARCH_RDMA_ALLOW_TCP_FALLBACK", "1", "0: a one-sided transfer that only TCP can carry raises TransportError "
-         "instead of warning once and using TCP"),
+    Flag("MONARCH_RDMA_ALLOW_TCP_FALLBACK", "1", "0: a one-sided transfer that only TCP can carry raises "
+         "TransportError instead of warning once and using TCP"),
     Flag("MONARCH_RDMA_TIMEOUT", "30", "seconds a one-sided transfer that to_mesh runs may take before it fails"),
     Flag("MONARCH_WORKSPACE_DIR", "~/.cache/monarch/workspaces", "where workers keep the copies sync_workspace "
          "makes: <dir>/<hostname>/<name>-<hash of the source path>"),
@@ -188,11 +188,7 @@ TRANSPORTS = ("auto", "mpi", "shm")
 
 def transport() -> str:
     """MONARCH_TRANSPORT, one of TRANSPORTS."""
-    def pick(s: str) -> str:
-        if s.strip().lower() not in TRANSPORTS:
-            raise ValueError(f"choose one of {', '.join(TRANSPORTS)}")
-        return s.strip().lower()
-    return _parse("MONARCH_TRANSPORT", pick)
+    return _parse("MONARCH_TRANSPORT", _choice(*TRANSPORTS))
 
 
 def telemetry() -> bool:

@@ -39,6 +39,10 @@ class Client(Waiter, Protocol):
     def open_port(self, port: int, inbox: Inbox) -> None:
         """Register a channel's receiving end under `port`."""
 
+    def reach_host(self) -> str:
+        """The address this process's peers reach it at (a worker: its control connection's local address; the
+        controller: the address it advertises, loopback by default): where its data-plane doors listen."""
+
 
 TENSOR_API = "monarch.runtime.session.api"  # the one module below the actor layer may reach, only here
 _tensor_api: list[Any] = []  # registered by that module when it is imported

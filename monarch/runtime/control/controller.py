@@ -73,6 +73,10 @@ class Controller:
     def port_owner(self) -> None:
         return None
 
+    def reach_host(self) -> str:
+        bound = self.address.rpartition(":")[0]
+        return config.advertise() or (bound if bound not in launch.WILDCARDS else "127.0.0.1")
+
     def open_port(self, port: int, inbox: Inbox) -> None:
         self.ports[port] = inbox
 

@@ -251,6 +251,9 @@ class Worker:
     def port_owner(self) -> tuple[int, int]:
         return (self.mesh_id, self.rank)
 
+    def reach_host(self) -> str:
+        return str(self.sock.getsockname()[0])
+
     def open_port(self, port: int, inbox: Inbox) -> None:
         self.host.open_port(port, inbox)
 

@@ -1,0 +1,182 @@
+"""The owner side of one-sided transfers: this process's registered regions, by slot.
+
+Each region is kept alive (a strong reference to its tensor or memoryview) until it is dropped. The slot
+table is a small memfd that processes of this node map read-only through /proc/<pid>/fd/<fd> (it vanishes
+with this process): a reader checks a handle's slot there, holding a shared record lock on the slot while it
+copies with cross-memory attach; `drop` takes the exclusive lock, so it waits for the copies under way and
+every later one sees the slot gone. Transfers this process's door serves count in-process instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from monarch.errors import TransportError
+from monarch.runtime.control.client import client
+from monarch.runtime.engine.transport import tcp, verbs
+from monarch.runtime.engine.transport.handle import Handle, Owner, memory, start_time, this_node
+
+SLOT = struct.Struct("<QQQQ16s")  # live, generation, address, size, key
+SLOT_BYTES = 64
+FIRST_SLOTS = 1024
+DROP_WAIT_S = 30.0  # how long a drop waits for readers of another process to finish their copies
+
+
+@dataclass
+class Region:
+    keep: object  # the tensor or memoryview whose memory this is
+    addr: int
+    size: int
+    gen: int
+    key: bytes
+    rkey: int = 0
+
+
+class Registry:
+    """This process's registered regions and its transfer door (started with the first registration)."""
+
+    def __init__(self) -> None:
+        allow_cross_memory_readers()
+        self.fd = os.memfd_create("monarch-rdma", os.MFD_CLOEXEC)
+        self._slots = 0
+        self._map: mmap.mmap | None = None
+        self._grow(FIRST_SLOTS)
+        self._regions: dict[int, Region] = {}
+        self._gens: dict[int, int] = {}
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+        self._busy: dict[int, int] = {}  # slot -> transfers this process serves from it now
+        self._idle = threading.Condition(self._lock)
+        self.verbs = verbs.device()
+        self.server = tcp.Server(self, client().reach_host())
+        self.owner = Owner(os.getpid(), start_time(os.getpid()), this_node(), self.server.host, self.server.port,
+                           self.fd, self.verbs.address() if self.verbs else b"", owner_label())
+
+    def _grow(self, slots: int) -> None:
+        os.ftruncate(self.fd, slots * SLOT_BYTES)
+        if self._map is not None:
+            self._map.close()
+        self._map = mmap.mmap(self.fd, slots * SLOT_BYTES)
+        self._slots = slots
+
+    # -- registering and dropping ----------------------------------------------------------------
+    def register(self, keep: object, addr: int, size: int) -> Handle:
+        with self._lock:
+            slot = self._free.pop() if self._free else len(self._gens)
+            if slot >= self._slots:
+                self._grow(self._slots * 2)
+            gen = self._gens[slot] = self._gens.get(slot, 0) + 1
+            key = secrets.token_bytes(16)
+            rkey = self.verbs.register(addr, size) if self.verbs else 0
+            self._regions[slot] = Region(keep, addr, size, gen, key, rkey)
+            self._write(slot, SLOT.pack(1, gen, addr, size, key))
+        return Handle(self.owner, slot, gen, key, addr, size, rkey)
+
+    def drop(self, slot: int, gen: int, key: bytes) -> None:
+        """Unregister a region once the transfers under way from it are done; later ones fail."""
+        with self._lock:
+            region = self._find(slot, gen, key)
+            while self._busy.get(slot):
+                self._idle.wait()
+            self._lock_slot(slot)
+            try:
+                self._write(slot, SLOT.pack(0, gen, 0, 0, bytes(16)))
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN, SLOT_BYTES, slot * SLOT_BYTES)
+            del self._regions[slot]
+            self._free.append(slot)
+        if self.verbs and region.rkey:
+            self.verbs.deregister(region.rkey)
+
+    def _lock_slot(self, slot: int) -> None:
+        """The exclusive record lock on `slot`: once readers of other processes have let go of it."""
+        deadline = time.monotonic() + DROP_WAIT_S
+        while True:
+            try:
+                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, SLOT_BYTES, slot * SLOT_BYTES)
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"RDMABuffer.drop: a reader of another process held slot {slot} of "
+                                         f"{self.owner} for over {DROP_WAIT_S:g} s; the buffer stays registered")
+                time.sleep(0.0005)
+
+    def _write(self, slot: int, record: bytes) -> None:
+        assert self._map is not None
+        self._map[slot * SLOT_BYTES:slot * SLOT_BYTES + SLOT.size] = record
+
+    # -- what the door and this process's own transfers use ---------------------------------------
+    def _find(self, slot: int, gen: int, key: bytes) -> Region:
+        region = self._regions.get(slot)
+        if region is None or region.gen != gen or not secrets.compare_digest(region.key, key):
+            raise TransportError(f"no RDMA buffer {slot}.{gen} at {self.owner}: it was dropped, or the handle "
+                                 "is not one this process registered")
+        return region
+
+    @contextmanager
+    def using(self, slot: int, gen: int, key: bytes, offset: int, nbytes: int) -> Iterator[memoryview]:
+        """The bytes [offset, offset + nbytes) of a live region, which is not dropped before the block ends."""
+        with self._lock:
+            region = self._find(slot, gen, key)
+            if offset < 0 or nbytes < 0 or offset + nbytes > region.size:
+                raise TransportError(f"{nbytes} bytes at offset {offset} do not fit RDMA buffer {slot}.{gen} of "
+                                     f"{region.size} bytes")
+            self._busy[slot] = self._busy.get(slot, 0) + 1
+        try:
+            yield memory(region.addr + offset, nbytes)
+        finally:
+            with self._lock:
+                self._busy[slot] -= 1
+                if not self._busy[slot]:
+                    del self._busy[slot]
+                    self._idle.notify_all()
+
+    def live(self) -> int:
+        """How many regions are registered now."""
+        return len(self._regions)
+
+
+_registry: list[Registry] = []
+_made = threading.Lock()
+
+
+def registry() -> Registry:
+    """This process's registry, made (with its door) on first use."""
+    if not _registry:
+        with _made:
+            if not _registry:
+                _registry.append(Registry())
+    return _registry[0]
+
+
+def registered() -> Registry | None:
+    """This process's registry if one was made (a handle of this process is served without a copy)."""
+    return _registry[0] if _registry else None
+
+
+def owner_label() -> str:
+    """How errors name this process: its rank and mesh on a worker, "the controller" there."""
+    c = client()
+    if c.is_controller:
+        return f"the controller (pid {os.getpid()})"
+    mesh, rank = c.port_owner() or (0, 0)
+    return f"rank {rank} of mesh #{mesh} (pid {os.getpid()})"
+
+
+def allow_cross_memory_readers() -> None:
+    """Let processes of this user read this one with process_vm_readv where Yama restricts ptrace to
+    descendants (prctl PR_SET_PTRACER_ANY; a no-op without Yama)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
