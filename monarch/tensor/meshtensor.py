@@ -35,6 +35,10 @@ class Backend(Stages, Protocol):
     def rebind(self, target: MeshTensor, source: MeshTensor) -> None:
         """`target` names `source`'s buffer from now on (with its spec)."""
 
+    def to_mesh(self, t: MeshTensor, mesh: MeshLike, placements: Mapping[str, Placement] | Sequence[Placement] | None
+                ) -> MeshTensor:
+        """`t` moved to another mesh, rank to rank."""
+
 
 class MeshTensor(torch.Tensor):
     """A global tensor sharded over a mesh; behaves like a plain tensor under torch ops."""
@@ -83,6 +87,13 @@ class MeshTensor(torch.Tensor):
         if target == self._spec.placements:
             return self
         return _Redistribute.apply(self, target)
+
+    def to_mesh(self, mesh: MeshLike, placements: Mapping[str, Placement] | Sequence[Placement] | None = None
+                ) -> MeshTensor:
+        """This tensor on another mesh, placed as `placements` (default: replicated): the shards move straight
+        from this mesh's ranks to `mesh`'s ranks (one-sided reads; never through the controller) and are
+        redistributed on the way. Differentiable: the gradient goes back to this mesh."""
+        return self._backend.to_mesh(self, mesh, placements)
 
     @property  # type: ignore[override]
     def data(self) -> torch.Tensor:

@@ -30,6 +30,8 @@ from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.control.controller import controller
 from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.control.futures import CallState, Future, Waiter
+from monarch.runtime.session import crossmesh
+from monarch.runtime.session.crossmesh import PlacementsArg
 from monarch.runtime.session.lower import lower, lower_install
 from monarch.shape import MeshLike
 from monarch.tensor.data_dependent import whole
@@ -111,6 +113,10 @@ class Session:
             return t
         node, id = self.tracer.moved(t, t._spec.with_placements(placements))
         return self.tracer.wrap(node.meta["specs"][0], node, id)
+
+    def to_mesh(self, t: MeshTensor, mesh: MeshLike, placements: PlacementsArg) -> MeshTensor:
+        self._sync_point("t.to_mesh(other mesh)")
+        return crossmesh.to_mesh(self, session_of(mesh), t, placements)
 
     def fetch(self, t: MeshTensor) -> Future[torch.Tensor]:
         """Partial dims are reduced on the workers; each distinct shard then comes to the controller."""
