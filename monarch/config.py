@@ -64,6 +64,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_RDMA_ALLOW_TCP_FALLBACK", "1", "0: a one-sided transfer that only TCP can carry raises "
          "TransportError instead of warning once and using TCP"),
     Flag("MONARCH_RDMA_TIMEOUT", "30", "seconds a one-sided transfer that to_mesh runs may take before it fails"),
+    Flag("MONARCH_RDMA_DEVICE", "", "the RDMA device (and port) verbs transfers use, e.g. mlx5_0 or mlx5_0:2 "
+         "(default: the first device with an active port)"),
     Flag("MONARCH_WORKSPACE_DIR", "~/.cache/monarch/workspaces", "where workers keep the copies sync_workspace "
          "makes: <dir>/<hostname>/<name>-<hash of the source path>"),
 ]}
@@ -238,6 +240,19 @@ def rdma_allow_tcp_fallback() -> bool:
 
 def rdma_timeout() -> float:
     return _float("MONARCH_RDMA_TIMEOUT")
+
+
+def _device_port(s: str) -> tuple[str, int]:
+    name, _, port = s.strip().partition(":")
+    if port and (not port.isdigit() or int(port) < 1):
+        raise ValueError(f"the port {port!r} is not a number from 1")
+    return name, int(port or 0)
+
+
+def rdma_device() -> tuple[str, int]:
+    """MONARCH_RDMA_DEVICE as (device name, port): ("", 0) picks the first active port; port 0, any of the
+    device's."""
+    return _parse("MONARCH_RDMA_DEVICE", _device_port)
 
 
 def workspace_dir() -> str:

@@ -21,7 +21,6 @@ from typing import Protocol
 
 from monarch.errors import TransportError
 from monarch.runtime.engine.transport.handle import Handle
-from monarch.runtime.engine.transport.verbs import Device
 
 HEADER = struct.Struct("<4sB3xIQ16sQQ")  # magic, op, slot, generation, key, offset, length
 STATUS = struct.Struct("<BI")  # 0 ok / 1 error, then the error text's length
@@ -30,9 +29,15 @@ READ, WRITE, DROP, VERBS = 1, 2, 3, 4
 MAX_TEXT = 4096
 
 
+class Acceptor(Protocol):
+    """The verbs backend's side of the door (verbs.Device): it takes a peer's queue-pair request."""
+
+    def accept(self, sock: socket.socket, length: int) -> None: ...
+
+
 class Regions(Protocol):
     """What the door serves from (registry.Registry)."""
-    verbs: Device | None
+    verbs: Acceptor | None
 
     def using(self, slot: int, gen: int, key: bytes, offset: int, nbytes: int) -> AbstractContextManager[memoryview]:
         ...
@@ -63,7 +68,7 @@ class Server:
     def _serve(self, sock: socket.socket) -> None:
         with sock:
             while True:
-                raw = _recv_exactly(sock, HEADER.size)
+                raw = recv_exactly(sock, HEADER.size)
                 if raw is None:
                     return
                 header = HEADER.unpack(raw)
@@ -73,31 +78,32 @@ class Server:
                         raise TransportError("not a monarch RDMA request (bad magic or op)")
                     op(sock, header)
                 except (TransportError, ValueError) as e:
-                    _status(sock, str(e))
+                    status(sock, str(e))
                     return
                 except OSError:
                     return
 
     def _read(self, sock: socket.socket, h: tuple) -> None:
         with self.registry.using(h[2], h[3], h[4], h[5], h[6]) as mem:
-            _status(sock, "")
+            status(sock, "")
             sock.sendall(mem)
 
     def _write(self, sock: socket.socket, h: tuple) -> None:
         with self.registry.using(h[2], h[3], h[4], h[5], h[6]) as mem:
-            _status(sock, "")
+            status(sock, "")
             if not _recv_into(sock, mem):
                 return
-        _status(sock, "")
+        status(sock, "")
 
     def _drop(self, sock: socket.socket, h: tuple) -> None:
         self.registry.drop(h[2], h[3], h[4])
-        _status(sock, "")
+        status(sock, "")
 
     def _verbs(self, sock: socket.socket, h: tuple) -> None:
         if self.registry.verbs is None:
             raise TransportError("this process has no RDMA device")
-        self.registry.verbs.accept(sock, h[6])
+        with self.registry.using(h[2], h[3], h[4], 0, 0):  # only the holder of a live handle connects
+            self.registry.verbs.accept(sock, h[6])
 
 
 # -- the client side ---------------------------------------------------------------------------------
@@ -118,7 +124,7 @@ def write(handle: Handle, offset: int, src: memoryview, timeout: float) -> None:
     with _connection(handle, timeout) as sock:
         _ask(sock, handle, WRITE, offset, len(src), timeout)
         sock.sendall(src)
-        _answer(sock, handle)
+        answer(sock, handle)
 
 
 def drop(handle: Handle, timeout: float) -> None:
@@ -174,16 +180,17 @@ def _connect(handle: Handle, timeout: float) -> socket.socket:
 
 def _ask(sock: socket.socket, handle: Handle, op: int, offset: int, length: int, timeout: float) -> None:
     sock.sendall(HEADER.pack(MAGIC, op, handle.slot, handle.gen, handle.key, offset, length))
-    _answer(sock, handle)
+    answer(sock, handle)
 
 
-def _answer(sock: socket.socket, handle: Handle) -> None:
-    raw = _recv_exactly(sock, STATUS.size)
+def answer(sock: socket.socket, handle: Handle) -> None:
+    """Read the owner's status; TransportError with its reason when it refused."""
+    raw = recv_exactly(sock, STATUS.size)
     if raw is None:
         raise _gone(handle, "closed the connection")
     failed, n = STATUS.unpack(raw)
     if failed:
-        text = _recv_exactly(sock, min(n, MAX_TEXT)) or b""
+        text = recv_exactly(sock, min(n, MAX_TEXT)) or b""
         raise TransportError(f"RDMA transfer refused by {handle.owner}: {text.decode(errors='replace')}")
 
 
@@ -192,12 +199,12 @@ def _gone(handle: Handle, what: str) -> TransportError:
                           f"({handle.owner.host}:{handle.owner.port}) failed: the owner {what}")
 
 
-def _status(sock: socket.socket, error: str) -> None:
+def status(sock: socket.socket, error: str) -> None:
     text = error.encode()[:MAX_TEXT]
     sock.sendall(STATUS.pack(1 if error else 0, len(text)) + text)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+def recv_exactly(sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
     return bytes(buf) if _recv_into(sock, memoryview(buf)) else None
 
