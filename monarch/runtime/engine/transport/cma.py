@@ -54,7 +54,9 @@ class Table:
         except PermissionError:
             raise Refused() from None
         except FileNotFoundError:
-            raise _dead(owner) from None
+            _check_alive(owner)
+            raise TransportError(f"RDMA handle of {owner}: fd {owner.table_fd} of pid {owner.pid} is not a monarch "
+                                 "slot table (a forged handle)") from None
         self.owner = owner
         self._map: mmap.mmap | None = None
         self._held: dict[int, int] = {}
@@ -86,7 +88,7 @@ class Table:
                     fcntl.lockf(self.fd, fcntl.LOCK_UN, SLOT_BYTES, slot * SLOT_BYTES)
 
 
-_tables: dict[tuple[int, int], Table] = {}
+_tables: dict[tuple[int, int, int], Table] = {}  # by pid, start time and table fd: each handle's fd is checked
 _tables_lock = threading.Lock()
 
 
@@ -124,7 +126,7 @@ def _copy(call: str, handle: Handle, offset: int, n: int, local: int) -> None:
 
 
 def _table(owner: Owner) -> Table:
-    key = (owner.pid, owner.started)
+    key = (owner.pid, owner.started, owner.table_fd)
     table = _tables.get(key)
     if table is None:
         _check_alive(owner)
@@ -136,7 +138,7 @@ def _table(owner: Owner) -> Table:
 
 def _check_alive(owner: Owner) -> None:
     if start_time(owner.pid) != owner.started:
-        _tables.pop((owner.pid, owner.started), None)
+        _tables.pop((owner.pid, owner.started, owner.table_fd), None)
         raise _dead(owner)
 
 

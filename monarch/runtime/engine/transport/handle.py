@@ -19,7 +19,7 @@ import torch
 from monarch.errors import TransportError
 
 KEY_BYTES = 16
-_LABEL = re.compile(r"^[\w .,:'()=\-/<>#\[\]]{0,200}$")
+_LABEL = re.compile(r"[\w .,:'()=\-/<>#\[\]]{0,200}")
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Owner:
             raise TransportError(f"malformed RDMA handle: owner fields {ints} are not valid numbers")
         if not (isinstance(self.node, str) and isinstance(self.host, str) and isinstance(self.verbs, bytes)
                 and isinstance(self.label, str) and len(self.node) < 200 and len(self.verbs) < 4096
-                and _LABEL.match(self.label)):
+                and _LABEL.fullmatch(self.label)):
             raise TransportError("malformed RDMA handle: the owner's node, host, verbs or label field is invalid")
         try:
             socket.inet_pton(socket.AF_INET6 if ":" in self.host else socket.AF_INET, self.host)

@@ -28,8 +28,7 @@ class RDMAWriteTransferWarning(Warning):
     """A write went over TCP: no RDMA device reaches the buffer's owner (printed once per process)."""
 
 
-warnings.simplefilter("once", RDMAReadTransferWarning)
-warnings.simplefilter("once", RDMAWriteTransferWarning)
+_warned: set[type[Warning]] = set()  # a filter's "once" is forgotten whenever warning filters change
 _no_attach: set[int] = set()  # owner pids this kernel refused cross-memory attach to
 
 
@@ -118,9 +117,12 @@ def _tcp(handle: Handle, offset: int, mem: memoryview, timeout: float, reading: 
             raise TransportError(f"no RDMA path reaches {handle.owner} ({verbs.why_not() or 'its device differs'})"
                                  " and MONARCH_RDMA_ALLOW_TCP_FALLBACK=0; allow the TCP fallback or run on hosts "
                                  "with RDMA devices")
-        warnings.warn(f"RDMA {'read' if reading else 'write'} with {handle.owner} goes over TCP "
-                      f"({verbs.why_not() or 'no RDMA path to that host'}); expect a few GB/s",
-                      RDMAReadTransferWarning if reading else RDMAWriteTransferWarning, stacklevel=4)
+        category = RDMAReadTransferWarning if reading else RDMAWriteTransferWarning
+        if category not in _warned:
+            _warned.add(category)
+            warnings.warn(f"RDMA {'read' if reading else 'write'} with {handle.owner} goes over TCP "
+                          f"({verbs.why_not() or 'no RDMA path to that host'}); expect a few GB/s",
+                          category, stacklevel=4)
     (tcp.read if reading else tcp.write)(handle, offset, mem, timeout)
 
 
