@@ -6,6 +6,7 @@ running, collectives still take part (with zeros) so that no peer hangs, and the
 """
 from __future__ import annotations
 
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,11 +23,12 @@ from monarch.runtime.telemetry.events import RECORDER, now_us
 
 
 class Transport(Protocol):
-    """Runs this rank's part of a collective (blocking), or starts a bucketed all_reduce of `flat` (a fresh
+    """Runs this rank's part of a collective (blocking; `owned`: no one reads `x` afterwards, so it may
+    be reduced in place and returned), or starts a bucketed all_reduce of `flat` (a fresh
     flat copy of the bucket's buffers, the transport's to reduce in place); `name` is what runs the
     collectives over mesh dim `mdim` (the `transport` column of the collectives table)."""
 
-    def __call__(self, ins: Comm, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, ins: Comm, x: torch.Tensor, owned: bool = False) -> torch.Tensor: ...
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]: ...
 
@@ -51,15 +53,17 @@ class Engine:
         self.errors: list[RemoteError] = []
         self.pending: dict[tuple[int, ...], tuple[Start, Callable[[], torch.Tensor]]] = {}
         self.profile = config.profile()
+        self.instrs: tuple[Instr, ...] = ()  # the program running, and the position of its current instruction
+        self.at = 0
 
     def run(self, instrs: tuple[Instr, ...], coords: tuple[int, ...], label: str) -> None:
         """Run one rank program; `coords` is this rank's point in the mesh view the program is for."""
-        self.coords, self.label = coords, label
+        self.coords, self.label, self.instrs = coords, label, instrs
         if not self.profile:
-            for ins in instrs:
+            for self.at, ins in enumerate(instrs):
                 HANDLERS[type(ins)](self, ins)
             return
-        for ins in instrs:  # MONARCH_PROFILE=1: one ops row per instruction
+        for self.at, ins in enumerate(instrs):  # MONARCH_PROFILE=1: one ops row per instruction
             start = now_us()
             HANDLERS[type(ins)](self, ins)
             RECORDER.add("ops", (self.rank, -1, getattr(ins, "op", type(ins).__name__), 1, start, now_us()))
@@ -137,12 +141,23 @@ class Engine:
         x = self.store[ins.src]
         self.store[ins.out] = x if type(x) is Poison else out
 
+    def consumed(self, ins: Comm) -> bool:
+        """Whether the all_reduce `ins` may reduce its input in place: the next instruction frees it and
+        its store entry holds the only reference to the tensor, and the tensor the only one to its memory."""
+        nxt = self.instrs[self.at + 1] if self.at + 1 < len(self.instrs) else None
+        if ins.kind != "all_reduce" or type(nxt) is not Free or ins.src not in nxt.ids:
+            return False
+        x = self.store[ins.src]  # referenced here, by the store and by getrefcount's argument
+        return (type(x) is torch.Tensor and sys.getrefcount(x) == 3 and _storage_users(x) == 1
+                and not x.is_conj() and not x.is_neg())
+
     def comm(self, ins: Comm) -> None:
         assert self.transport is not None, "this engine has no transport"
+        owned = self.consumed(ins)
         x = self.comm_input(ins)
         start = now_us()
         try:
-            out = self.transport(ins, x)
+            out = self.transport(ins, x, owned)
         except Exception as e:  # noqa: BLE001
             self._fail((ins.out,), f"{ins.kind} over mesh dim {ins.mdim}", e)
             return
@@ -197,6 +212,11 @@ class Engine:
         if type(v) is Poison:
             raise v.error
         return v
+
+
+def _storage_users(x: torch.Tensor) -> int:
+    """How many tensors share `x`'s memory (x and its views; the storage object asked for is not counted)."""
+    return torch._C._storage_Use_Count(x.untyped_storage()._cdata) - 1
 
 
 _KERNEL_CACHE: dict[str, Callable[..., Any]] = {}

@@ -112,8 +112,8 @@ class Transports:
     def name(self, mdim: int) -> str:
         return self.pick(mdim).name(mdim)
 
-    def __call__(self, ins: Comm, x: torch.Tensor) -> torch.Tensor:
-        return self.pick(ins.mdim)(ins, x)
+    def __call__(self, ins: Comm, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
+        return self.pick(ins.mdim)(ins, x, owned)
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
         return self.pick(ins.mdim).start(ins, flat)

@@ -42,8 +42,10 @@ class MpiTransport:
     def name(self, mdim: int) -> str:
         return "mpi"
 
-    def __call__(self, ins: Comm, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ins: Comm, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
         comm = self.comm_for(self.group_of(ins.mdim))
+        if ins.kind == "all_reduce":
+            return all_reduce(comm, ins.op, x.resolve_conj().resolve_neg(), owned)
         return KINDS[ins.kind](comm, ins, x.resolve_conj().resolve_neg())
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -107,9 +109,9 @@ def all_gather(comm: MPI.Intracomm, ins: Comm, x: torch.Tensor) -> torch.Tensor:
     return unpack(_split(recv, counts), list(ins.shapes), ins.dim, x.dtype)
 
 
-def all_reduce(comm: MPI.Intracomm, ins: Comm, x: torch.Tensor) -> torch.Tensor:
-    buf, back = _reducible(x, private=True)
-    comm.Allreduce(MPI.IN_PLACE, _np(buf), op=OPS[ins.op])
+def all_reduce(comm: MPI.Intracomm, op: str, x: torch.Tensor, owned: bool) -> torch.Tensor:
+    buf, back = _reducible(x, private=not owned)
+    comm.Allreduce(MPI.IN_PLACE, _np(buf), op=OPS[op])
     return buf.to(back) if back is not None else buf
 
 
@@ -159,5 +161,4 @@ def _reducible(x: torch.Tensor, private: bool) -> tuple[torch.Tensor, torch.dtyp
     return (x.clone(memory_format=torch.contiguous_format) if private else x.contiguous()), None
 
 
-KINDS = {"all_gather": all_gather, "all_reduce": all_reduce, "reduce_scatter": reduce_scatter,
-         "all_to_all": all_to_all}
+KINDS = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_to_all": all_to_all}

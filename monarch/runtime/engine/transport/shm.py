@@ -79,15 +79,15 @@ class ShmTransport:
             seg = self._segments[comm.py2f()] = Segment(comm)
         return seg
 
-    def __call__(self, ins: Comm, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ins: Comm, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
         seg = self.segment(ins.mdim)
         if ins.kind == "all_reduce":
-            return all_reduce(seg, ins.op, x)
+            return all_reduce(seg, ins.op, x, owned)
         return KINDS[ins.kind](seg, ins, x)
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """The bucket's all_reduce, run now (the segment makes it cheap); the callable returns its result."""
-        out = all_reduce(self.segment(ins.mdim), ins.op, flat)
+        """The bucket's all_reduce, run now into `flat` (the segment makes it cheap); the callable returns it."""
+        out = all_reduce(self.segment(ins.mdim), ins.op, flat, owned=True)
         return lambda: out
 
     def close(self) -> None:
@@ -108,8 +108,9 @@ def _reduce(srcs: list[torch.Tensor], op: str, out: torch.Tensor) -> None:
         fn(out, s, out=out)
 
 
-def all_reduce(seg: Segment, op: str, x: torch.Tensor) -> torch.Tensor:
-    """Each member reduces its 1/k of the elements across all slots into slot 0, which all then read."""
+def all_reduce(seg: Segment, op: str, x: torch.Tensor, owned: bool) -> torch.Tensor:
+    """Each member reduces its 1/k of the elements across all slots into slot 0, which all then read
+    (into `x` itself when `owned`: its pages are already mapped, a new tensor's are not)."""
     comm, dtype = seg.comm, WIDE.get(x.dtype, x.dtype)
     k, me, n = comm.Get_size(), comm.Get_rank(), x.numel()
     seg.ensure(n * dtype.itemsize)
@@ -119,7 +120,8 @@ def all_reduce(seg: Segment, op: str, x: torch.Tensor) -> torch.Tensor:
     lo, size = chunk(n, k, me)
     _reduce([seg.slot(r, dtype, n)[lo:lo + size] for r in range(k)], op, seg.slot(0, dtype, n)[lo:lo + size])
     comm.Barrier()
-    return seg.slot(0, dtype, n).view(x.shape).to(x.dtype, copy=True)
+    out = x if owned and x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
+    return out.copy_(seg.slot(0, dtype, n).view(x.shape))
 
 
 def reduce_scatter(seg: Segment, ins: Comm, x: torch.Tensor) -> torch.Tensor:
