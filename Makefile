@@ -1,5 +1,7 @@
 # make demo: create .venv, install monarch, run the main example on a local 4-process mesh.
-# make test: create/update .venv, run the whole test suite but the cluster tier (marked `cluster`).
+# make test: create/update .venv, run the whole test suite but the cluster and data-plane tiers.
+# make test-dataplane: the data-plane tier (marked `dataplane`): one-sided transfers (monarch.rdma), to_mesh and
+#   its examples, shared-memory collectives.
 # make test-cluster: the cluster tier (tests/cluster): meshes across test hosts made of network namespaces
 #   with a real sshd and Slurm (needs root and .ci/cluster-packages; skips with one line otherwise).
 VENV   ?= .venv
@@ -8,7 +10,7 @@ PY     := $(VENV)/bin/python
 # the venv's MPICH mpiexec must come before any system-wide mpiexec of another MPI
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-cluster bench clean
+.PHONY: demo test test-dataplane test-cluster bench clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +21,10 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not cluster"
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not cluster and not dataplane"
+
+test-dataplane: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "dataplane and not cluster"
 
 $(VENV)/.installed-cluster: $(VENV)/.installed
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,cluster]'

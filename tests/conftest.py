@@ -46,11 +46,18 @@ def leftovers(owner: int, allowed: set[int], timeout: float = 10.0) -> dict[int,
         time.sleep(0.05)
 
 
+DATAPLANE = ("rdma", "runtime/engine", "runtime/session/test_to_mesh.py", "end_to_end/test_mesh_to_mesh_examples.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `slow` every test that starts worker processes: it uses a mesh fixture, or its module spawns."""
+    """Mark `slow` every test that starts worker processes: it uses a mesh fixture, or its module spawns; and
+    `dataplane` the tests of the data plane (their own tier, `make test-dataplane`)."""
     spawns: dict[Path, bool] = {}
+    tests = Path(__file__).resolve().parent
     for item in items:
         path = Path(str(item.fspath))
+        if path.resolve().relative_to(tests).as_posix().startswith(DATAPLANE):
+            item.add_marker(pytest.mark.dataplane)
         if path not in spawns:
             spawns[path] = "spawn_procs(" in path.read_text()
         if spawns[path] or "procs" in getattr(item, "fixturenames", ()):
