@@ -76,10 +76,11 @@ class Device:
     def open() -> Device | None:
         """The first RDMA device with an active port (MONARCH_RDMA_DEVICE names one); None, with the reason in
         `why_not()`, otherwise."""
+        wanted = config.rdma_device()
         try:
             from pyverbs.device import get_device_list  # optional: rdma-core's binding
-        except ImportError:
-            return _none("pyverbs (rdma-core's python3-pyverbs) is not installed")
+        except ImportError as e:
+            return _none(f"pyverbs (rdma-core's python3-pyverbs) cannot be imported ({e})")
         try:
             names = [d.name.decode() for d in get_device_list()]
         except Exception as e:  # noqa: BLE001 - pyverbs raises PyverbsRDMAError and others without a device
@@ -88,7 +89,7 @@ class Device:
         if not names:
             return _none("pyverbs found none")
         try:
-            found = _active_port(names, *config.rdma_device())
+            found = _active_port(names, *wanted)
             return Device(*found) if isinstance(found, tuple) else _none(found)
         except Exception as e:  # noqa: BLE001 - any pyverbs failure leaves the other backends
             return _none(f"pyverbs failed while opening one ({type(e).__name__}: {e})")
