@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 # the venv's MPICH mpiexec must come before any system-wide mpiexec of another MPI
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-dataplane test-cluster bench clean
+.PHONY: demo test test-dataplane test-cluster bench clean pyverbs
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,14 +23,25 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not cluster and not dataplane"
 
-test-dataplane: $(VENV)/.installed
+# rdma-core's pyverbs (Debian's python3-pyverbs, built for the system python3) where its extension modules fit
+# the venv's python: a .pth adds a directory holding only a link to it (never the rest of dist-packages)
+SYSTEM_PYVERBS := /usr/lib/python3/dist-packages/pyverbs
+pyverbs: $(VENV)/.installed
+	@suffix=$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))'); \
+	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	if [ -e "$(SYSTEM_PYVERBS)/device$$suffix" ]; then \
+	  mkdir -p $(VENV)/system-pyverbs && ln -sfn $(SYSTEM_PYVERBS) $(VENV)/system-pyverbs/pyverbs && \
+	  echo "$(abspath $(VENV))/system-pyverbs" > "$$site/system-pyverbs.pth"; \
+	else rm -rf "$$site/system-pyverbs.pth" $(VENV)/system-pyverbs; fi
+
+test-dataplane: $(VENV)/.installed pyverbs
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "dataplane and not cluster"
 
 $(VENV)/.installed-cluster: $(VENV)/.installed
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,cluster]'
 	touch $@
 
-test-cluster: $(VENV)/.installed-cluster
+test-cluster: $(VENV)/.installed-cluster pyverbs
 	$(PY) -m pytest -q -p no:cacheprovider -m cluster tests/cluster
 
 bench: $(VENV)/.installed
