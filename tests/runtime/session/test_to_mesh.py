@@ -117,3 +117,10 @@ def test_moving_64_mib_beats_the_controller_round_trip(meshes: tuple[ProcMesh, P
     through = time.perf_counter() - start
     assert torch.equal(moved[:4].full_tensor(timeout=T), routed[:4].full_tensor(timeout=T))
     assert direct < through, f"to_mesh {direct:.3f} s, through the controller {through:.3f} s"
+
+
+def test_reference_meshes_move_in_process() -> None:
+    a, b = monarch.LocalMesh({"dp": 2}), monarch.LocalMesh({"x": 2, "y": 2})
+    x = torch.randn(5, 6)
+    moved = monarch.distribute_tensor(x, a, {"dp": Shard(0)}).to_mesh(b, {"x": Shard(1), "y": Shard(0)})
+    assert torch.equal(moved.full_tensor(), x)
