@@ -1,9 +1,9 @@
 """Same-node transfers by cross-memory attach (process_vm_readv / process_vm_writev): one copy, straight
 between the two processes' memory, and the owner runs nothing for it.
 
-Before copying, the reader checks the handle in the owner's slot table (registry.py), mapped read-only
-through /proc/<pid>/fd/<fd>, under a shared record lock on the slot that it holds until the copy is done,
-so a drop waits for the copy and a copy never starts from a dropped region. A kernel that refuses the attach
+The handle is checked in the owner's slot table (registry.py), mapped read-only through /proc/<pid>/fd/<fd>:
+a read checks it before and after its copy (a drop in between fails the read); a write holds a shared record
+lock on the slot for its copy, so a drop waits for it. A kernel that refuses the attach
 (EPERM: ptrace restrictions) raises `Refused`, and the caller goes through the owner's door instead.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import errno
 import fcntl
 import mmap
 import os
+import secrets
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -108,21 +109,43 @@ def write(handle: Handle, offset: int, src: memoryview, addr: int) -> None:
 
 
 def _copy(call: str, handle: Handle, offset: int, n: int, local: int) -> None:
+    """A read checks the slot before and after its copy (a drop in between, which may have freed the memory,
+    fails it: never stale bytes) and takes no lock; a write holds the slot's shared lock, so the region cannot
+    be dropped and its memory reused while the bytes land."""
     table = _table(handle.owner)
+    if call == "process_vm_readv":
+        _check_slot(table, handle)
+        _attach(call, handle, offset, n, local, table)
+        _check_slot(table, handle)
+        return
     with table.holding(handle.slot):
-        live, gen, addr, size, key = table.record(handle.slot)
-        if not live or gen != handle.gen or key != handle.key or addr != handle.addr or size != handle.size:
+        _check_slot(table, handle)
+        _attach(call, handle, offset, n, local, table)
+
+
+def _check_slot(table: Table, handle: Handle) -> None:
+    live, gen, addr, size, key = table.record(handle.slot)
+    if not live or gen != handle.gen or not secrets.compare_digest(key, handle.key) or addr != handle.addr \
+            or size != handle.size:
+        _check_alive(handle.owner)
+        raise TransportError(f"no RDMA buffer {handle.slot}.{handle.gen} at {handle.owner}: it was dropped, or "
+                             "the handle is not one that process registered")
+
+
+def _attach(call: str, handle: Handle, offset: int, n: int, local: int, table: Table) -> None:
+    done = 0
+    while done < n:
+        local_iov = _iovec(local + done, n - done)
+        remote_iov = _iovec(handle.addr + offset + done, n - done)
+        got = _CALLS[call](handle.owner.pid, ctypes.byref(local_iov), 1, ctypes.byref(remote_iov), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno()
+            if err == errno.EPERM:
+                raise Refused()
             _check_alive(handle.owner)
-            raise TransportError(f"no RDMA buffer {handle.slot}.{handle.gen} at {handle.owner}: it was dropped, or "
-                                 "the handle is not one that process registered")
-        done = 0
-        while done < n:
-            local_iov = _iovec(local + done, n - done)
-            remote_iov = _iovec(addr + offset + done, n - done)
-            got = _CALLS[call](handle.owner.pid, ctypes.byref(local_iov), 1, ctypes.byref(remote_iov), 1, 0)
-            if got <= 0:
-                _fail(ctypes.get_errno(), handle)
-            done += got
+            _check_slot(table, handle)  # dropped meanwhile
+            raise TransportError(f"RDMA transfer with {handle.owner} failed: {os.strerror(err)}")
+        done += got
 
 
 def _table(owner: Owner) -> Table:
@@ -140,13 +163,6 @@ def _check_alive(owner: Owner) -> None:
     if start_time(owner.pid) != owner.started:
         _tables.pop((owner.pid, owner.started, owner.table_fd), None)
         raise _dead(owner)
-
-
-def _fail(err: int, handle: Handle) -> None:
-    if err == errno.EPERM:
-        raise Refused()
-    _check_alive(handle.owner)
-    raise TransportError(f"RDMA transfer with {handle.owner} failed: {os.strerror(err)}")
 
 
 def _dead(owner: Owner) -> TransportError:

@@ -2,9 +2,10 @@
 
 Each region is kept alive (a strong reference to its tensor or memoryview) until it is dropped. The slot
 table is a small memfd that processes of this node map read-only through /proc/<pid>/fd/<fd> (it vanishes
-with this process): a reader checks a handle's slot there, holding a shared record lock on the slot while it
-copies with cross-memory attach; `drop` takes the exclusive lock, so it waits for the copies under way and
-every later one sees the slot gone. Transfers this process's door serves count in-process instead.
+with this process): a process copying with cross-memory attach checks a handle's slot there (cma.py); a
+writer holds a shared record lock on the slot while it copies, and `drop` takes the exclusive lock, so it
+waits for the writes under way, marks the slot gone, then lets the memory go. Transfers this process's door
+serves count in-process instead.
 """
 from __future__ import annotations
 
