@@ -1,0 +1,3 @@
+class PD:
+    def __init__(self, ctx):
+        self.ctx = ctx

@@ -1,0 +1,6 @@
+class PyverbsError(Exception):
+    pass
+
+
+class PyverbsRDMAError(PyverbsError):
+    pass
