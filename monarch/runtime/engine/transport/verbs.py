@@ -1,12 +1,8 @@
-"""One-sided transfers over RDMA verbs through pyverbs (rdma-core's Python binding), where this host has an
-RDMA device (InfiniBand or RoCE): memory regions registered in place, one reliable-connected queue pair per
-peer process (connected through the owner's TCP door), RDMA READ / WRITE posted and completed here, the
-owner's CPU idle. `Device.open()` finds the device, or says why there is none (`why_not`).
-
-Local memory: transfers up to STAGE_BYTES bounce through a registered staging buffer of the queue pair (one
-copy, no registration); larger ones register the caller's memory for the transfer and release it after. No
-registration outlives its transfer: a cache keyed by address would pin pages the caller may free and reuse.
-"""
+"""One-sided transfers over RDMA verbs through pyverbs (rdma-core's binding) on InfiniBand or RoCE: regions
+registered in place, one reliable-connected queue pair per owner process (connected through its TCP door),
+RDMA READ / WRITE completed here; `Device.open()` finds the device or says why not (`why_not`). Local memory
+bounces through the queue pair's staging buffer up to STAGE_BYTES, above that it is registered for the one
+transfer (no cache keyed by address: it would keep pages pinned that the caller may free and reuse)."""
 from __future__ import annotations
 
 import ctypes
