@@ -190,9 +190,15 @@ def token_script(directory: str, ranks: str) -> str:
             f"for r in {ranks}; do printf %s \"$t\" > {directory}/rank-$r || exit 1; done")
 
 
+# glibc: tensors up to 1 GiB come from the heap, and freed ones stay there for the next (instead of an mmap each,
+# whose fresh pages all fault on first write: on a VM that costs more than the collective that fills them)
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
+
+
 def worker_env(extra: dict[str, str] | None) -> dict[str, str]:
-    """This process's environment plus `extra`; workers import from the same paths as the controller."""
-    env = dict(os.environ)
+    """This process's environment plus `extra` (and MALLOC's defaults unless either sets them); workers import
+    from the same paths as the controller."""
+    env = {**MALLOC, **os.environ}
     env.update(extra or {})
     env["PYTHONUNBUFFERED"] = "1"
     ours = [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
