@@ -108,6 +108,21 @@ def write(handle: Handle, offset: int, src: memoryview, addr: int) -> None:
     _copy("process_vm_writev", handle, offset, len(src), addr)
 
 
+def read_memory(pid: int, remote: int, local: int, n: int) -> None:
+    """Copy n bytes at address `remote` of process `pid` to this process's address `local`, with no slot table:
+    the caller knows the memory is alive. `Refused` where the kernel forbids the attach, OSError otherwise."""
+    done = 0
+    while done < n:
+        local_iov, remote_iov = _iovec(local + done, n - done), _iovec(remote + done, n - done)
+        got = _CALLS["process_vm_readv"](pid, ctypes.byref(local_iov), 1, ctypes.byref(remote_iov), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno() or errno.EIO
+            if err == errno.EPERM:
+                raise Refused()
+            raise OSError(err, os.strerror(err))
+        done += got
+
+
 def _copy(call: str, handle: Handle, offset: int, n: int, local: int) -> None:
     """A read checks the slot before and after its copy (a drop in between, which may have freed the memory,
     fails it: never stale bytes) and takes no lock; a write holds the slot's shared lock, so the region cannot
