@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -81,7 +81,8 @@ def move(src: Side, dst: Side, t: MeshTensor, placements: PlacementsArg) -> Mesh
     if src is dst:
         return t.redistribute(target)
     whole = tuple(Replicate() if isinstance(p, Partial) else p for p in target)
-    source = t.detach().redistribute(tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements))
+    reduced = tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
+    source = cast(MeshTensor, t.detach()).redistribute(reduced)
     exported = src.on_ranks("monarch::rdma_export", _no_args, ins=(source,), specs=(None,))[0]
     handles = src.values(exported).get()
     out_spec = Spec(tuple(t.shape), tuple(source._spec.stride), t.dtype, whole, dst.abstract)

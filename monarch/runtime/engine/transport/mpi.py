@@ -19,6 +19,8 @@ from monarch.program.instr import Comm, Start
 from monarch.tensor.placement import chunk
 
 OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+REDUCE: dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum,
+                                                  "prod": torch.mul}  # the same reductions in torch
 RAW = {torch.bfloat16: torch.int16}
 WIDE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.bool: torch.uint8}  # reduced as
 
@@ -95,18 +97,19 @@ def dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(t.shape, dtype=dtype).copy_(t)
 
 
-def _split(flat: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
-    return list(flat.split(counts)) if counts else []
+def joined(recv: torch.Tensor, counts: list[int], shapes: list[tuple[int, ...]], dim: int) -> torch.Tensor:
+    """The pieces received one after the other in the flat `recv` (each laid out by `front_shape`), concatenated
+    along `dim`: `recv` itself, viewed, when `dim` is 0."""
+    if dim == 0:
+        return recv.view(sum(s[0] for s in shapes), *shapes[0][1:])
+    return unpack(list(recv.split(counts)) if counts else [], shapes, dim, recv.dtype)
 
 
 def all_gather(comm: MPI.Intracomm, ins: Comm, x: torch.Tensor) -> torch.Tensor:
     counts = [prod(s) for s in ins.shapes]
     recv = torch.empty(sum(counts), dtype=x.dtype)
     comm.Allgatherv(_np(x.movedim(ins.dim, 0).contiguous()), [_np(recv), counts])
-    if ins.dim == 0:  # the pieces, one after the other, are already the result
-        first = ins.shapes[0]
-        return recv.view(sum(s[0] for s in ins.shapes), *first[1:])
-    return unpack(_split(recv, counts), list(ins.shapes), ins.dim, x.dtype)
+    return joined(recv, counts, list(ins.shapes), ins.dim)
 
 
 def all_reduce(comm: MPI.Intracomm, op: str, x: torch.Tensor, owned: bool) -> torch.Tensor:
@@ -136,10 +139,7 @@ def all_to_all(comm: MPI.Intracomm, ins: Comm, x: torch.Tensor) -> torch.Tensor:
     rcounts = [prod(s) for s in recv_shapes]
     recv = torch.empty(sum(rcounts), dtype=x.dtype)
     comm.Alltoallv([_np(send), [p.numel() for p in parts]], [_np(recv), rcounts])
-    if ins.cat_dim == 0:
-        first = recv_shapes[0]
-        return recv.view(sum(s[0] for s in recv_shapes), *first[1:])
-    return unpack(_split(recv, rcounts), recv_shapes, ins.cat_dim, x.dtype)
+    return joined(recv, rcounts, recv_shapes, ins.cat_dim)
 
 
 def received_shapes(ins: Comm, me: int) -> list[tuple[int, ...]]:

@@ -1,10 +1,11 @@
 """One-sided transfers, whichever way reaches the owner: the backend choice, and the reads and writes
 that monarch.rdma's RDMABuffer and the tensor engine's `to_mesh` pieces run.
 
-The choice, per owner (MONARCH_RDMA_BACKEND forces one): the same process copies in place; `ibverbs`
-where both ends have an RDMA device; `shm` (cross-memory attach) between processes of one node; `tcp`
-through the owner's door otherwise, with a warning the first time (MONARCH_RDMA_ALLOW_TCP_FALLBACK=0 makes
-it an error instead). Transfers run in the calling thread; the caller keeps its memory alive meanwhile.
+The choice, per owner (MONARCH_RDMA_BACKEND forces one): the same process copies in place; `shm`
+(cross-memory attach) between processes of one node; `ibverbs` where both ends have an RDMA port of one
+kind (InfiniBand or RoCE); `tcp` through the owner's door otherwise, with a warning the first time
+(MONARCH_RDMA_ALLOW_TCP_FALLBACK=0 makes it an error instead). Transfers run in the calling thread; the
+caller keeps its memory alive meanwhile.
 """
 from __future__ import annotations
 
@@ -57,10 +58,11 @@ def backend_for(handle: Handle) -> str:
     forced = config.rdma_backend()
     if forced != "auto":
         return forced
-    if handle.rkey and handle.owner.verbs and verbs.device() is not None:
-        return "ibverbs"
     if cma.reaches(handle.owner) and handle.owner.pid not in _no_attach:
-        return "shm"
+        return "shm"  # one host: a copy between the processes beats a loop through the NIC
+    device = verbs.device()
+    if handle.rkey and device is not None and device.reaches(handle.owner.verbs):
+        return "ibverbs"
     return "tcp"
 
 

@@ -71,13 +71,13 @@ class Registry:
 
     # -- registering and dropping ----------------------------------------------------------------
     def register(self, keep: object, addr: int, size: int) -> Handle:
+        rkey = self.verbs.register(addr, size) if self.verbs else 0  # first: when it raises, no slot is taken
         with self._lock:
             slot = self._free.pop() if self._free else len(self._gens)
             if slot >= self._slots:
                 self._grow(self._slots * 2)
             gen = self._gens[slot] = self._gens.get(slot, 0) + 1
             key = secrets.token_bytes(16)
-            rkey = self.verbs.register(addr, size) if self.verbs else 0
             self._regions[slot] = Region(keep, addr, size, gen, key, rkey)
             self._write(slot, SLOT.pack(1, gen, addr, size, key))
         return Handle(self.owner, slot, gen, key, addr, size, rkey)

@@ -1,6 +1,8 @@
-"""Collectives between the ranks of one host through a shared-memory segment per group (MPI-3 shared windows).
+"""Collectives between the ranks of one host: by cross-memory attach (attach.py) where the kernel lets the
+members read each other's memory (probed once per group), else through a shared-memory segment per group
+(MPI-3 shared windows), said once on stderr.
 
-Each member owns a slot of its group's segment and sees every slot as a torch view. A collective writes
+With a segment, each member owns a slot of its group's segment and sees every slot as a torch view. A collective writes
 this rank's piece into its slot (the one copy in), waits on a barrier of the group's communicator, then
 reads or reduces the slots in place (torch ops on views: no pickling, no MPI data transfer). Every member
 knows every piece's shape from the Comm, so all of them grow the segment together, without a handshake.
@@ -8,6 +10,8 @@ Reductions run in the dtype the MPI path reduces in (float32 for bfloat16 and fl
 """
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from math import prod
 
@@ -15,11 +19,13 @@ import torch
 from mpi4py import MPI
 
 from monarch.program.instr import Comm, Start
-from monarch.runtime.engine.transport.mpi import WIDE, dense, front_shape, pack, part_shape, received_shapes, unpack
+from monarch.runtime.engine.transport import attach
+from monarch.runtime.engine.transport.attach import Peers
+from monarch.runtime.engine.transport.mpi import (REDUCE, WIDE, dense, front_shape, pack, part_shape, received_shapes,
+                                                  unpack)
+from monarch.runtime.engine.transport.registry import allow_cross_memory_readers
 from monarch.tensor.placement import chunk
 
-REDUCE: dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum,
-                                                  "prod": torch.mul}
 ALIGN = 4096  # slot sizes are multiples of a page: every slot starts aligned for any dtype
 
 
@@ -63,38 +69,57 @@ class Segment:
 
 
 class ShmTransport:
-    """Runs one Comm for this rank through its group's segment; `comm_of(mdim)` gives the group's communicator."""
+    """Runs one Comm for this rank by cross-memory attach or through its group's segment; `comm_of(mdim)` gives
+    the group's communicator."""
 
     def __init__(self, comm_of: Callable[[int], MPI.Intracomm]) -> None:
         self.comm_of = comm_of
-        self._segments: dict[int, Segment] = {}  # by communicator handle
+        self._groups: dict[int, Peers | Segment] = {}  # by communicator handle
+        allow_cross_memory_readers()
 
     def name(self, mdim: int) -> str:
         return "shm"
 
-    def segment(self, mdim: int) -> Segment:
+    def group(self, mdim: int) -> Peers | Segment:
         comm = self.comm_of(mdim)
-        seg = self._segments.get(comm.py2f())
-        if seg is None:
-            seg = self._segments[comm.py2f()] = Segment(comm)
-        return seg
+        g = self._groups.get(comm.py2f())
+        if g is None:
+            g = self._groups[comm.py2f()] = Peers.probe(comm) or _segment(comm)
+        return g
 
     def __call__(self, ins: Comm, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
-        seg = self.segment(ins.mdim)
+        g = self.group(ins.mdim)
+        if isinstance(g, Peers):
+            return attach.run(g, ins, x, owned)
         if ins.kind == "all_reduce":
-            return all_reduce(seg, ins.op, x, owned)
-        return KINDS[ins.kind](seg, ins, x)
+            return all_reduce(g, ins.op, x, owned)
+        return KINDS[ins.kind](g, ins, x)
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """The bucket's all_reduce, run now into `flat` (the segment makes it cheap); the callable returns it."""
-        out = all_reduce(self.segment(ins.mdim), ins.op, flat, owned=True)
+        """The bucket's all_reduce, run now into `flat` (cheap within a host); the callable returns it."""
+        g = self.group(ins.mdim)
+        out = attach.all_reduce(g, ins.op, flat, True) if isinstance(g, Peers) else all_reduce(g, ins.op, flat, True)
         return lambda: out
 
     def close(self) -> None:
         """Free every segment (collective over each group: all members close together)."""
-        for seg in self._segments.values():
-            seg.free()
-        self._segments.clear()
+        for g in self._groups.values():
+            if isinstance(g, Segment):
+                g.free()
+        self._groups.clear()
+
+
+def _segment(comm: MPI.Intracomm) -> Segment:
+    _say_refused()
+    return Segment(comm)
+
+
+@functools.cache
+def _say_refused() -> None:
+    print("monarch: the ranks of this host may not read each other's memory (process_vm_readv refused: Yama's "
+          "kernel.yama.ptrace_scope above 1, a seccomp policy, or no CAP_SYS_PTRACE across containers); their "
+          "collectives go through shared-memory windows instead, with one more copy each way", file=sys.stderr,
+          flush=True)
 
 
 def _reduce(srcs: list[torch.Tensor], op: str, out: torch.Tensor) -> None:

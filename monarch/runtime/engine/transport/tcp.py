@@ -37,7 +37,9 @@ class Acceptor(Protocol):
 
 class Regions(Protocol):
     """What the door serves from (registry.Registry)."""
-    verbs: Acceptor | None
+
+    @property
+    def verbs(self) -> Acceptor | None: ...
 
     def using(self, slot: int, gen: int, key: bytes, offset: int, nbytes: int) -> AbstractContextManager[memoryview]:
         ...
@@ -149,9 +151,8 @@ class _connection:
     def __enter__(self) -> socket.socket:
         with _idle_lock:
             pool = _idle[self.door]
-            self.sock = pool.pop() if pool else None
-        if self.sock is None:
-            self.sock = _connect(self.handle, self.timeout)
+            idle = pool.pop() if pool else None
+        self.sock = idle if idle is not None else _connect(self.handle, self.timeout)
         self.sock.settimeout(self.timeout)
         return self.sock
 

@@ -111,6 +111,14 @@ class Device:
         """What a peer needs to reach this process's queue pairs (device, port, LID, GID), packed."""
         return self.port.pack()
 
+    def reaches(self, verbs: bytes) -> bool:
+        """Whether an owner's port (its `Owner.verbs`) is of this port's kind: both InfiniBand or both RoCE
+        (a fabric of one kind cannot reach the other; such a pair goes over TCP)."""
+        try:
+            return bool(verbs) and ADDRESS.unpack(verbs)[5] == self.port.link_layer
+        except struct.error:
+            return False
+
     # -- the owner's side ------------------------------------------------------------------------
     def register(self, addr: int, size: int) -> int:
         """Register [addr, addr + size) for remote READ/WRITE (READ only for read-only memory); its rkey."""
