@@ -12,6 +12,9 @@ one-sided: RDMABuffer.read_into / write_from of 4 KiB, 1 MiB and 64 MiB between 
 host, by cross-memory attach (shm) and the owner's TCP door, against half an MPI Send/Recv round trip of the
 same bytes (two ranks of an mpiexec job) and one process's memcpy; and an 8-byte read's latency against half an
 MPI round trip and against an endpoint returning the 8 bytes. Medians of 5 warm runs (3 with --quick).
+
+to_mesh: a 64 MiB tensor sharded over a 2-rank mesh moved to another 2-rank mesh (Shard(0) and Shard(1) on
+arrival) with `t.to_mesh`, against fetching it to the controller and distributing it again.
 """
 from __future__ import annotations
 
@@ -302,7 +305,38 @@ def grid(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {"collectives": collectives, "one-sided": onesided}
+def to_mesh(args: argparse.Namespace) -> None:
+    import monarch
+    from monarch import Shard
+    from monarch.actor import this_host
+    reps, nbytes = (3 if args.quick else 5), args.mib * MIB
+    env = {"MONARCH_HEARTBEAT_TIMEOUT": "60"}
+    with this_host().spawn_procs(per_host={"x": 2}, env=env) as a, \
+            this_host().spawn_procs(per_host={"y": 2}, env=env) as b:
+        t = monarch.randn(nbytes // 4 // 1024, 1024, mesh=a, placements={"x": Shard(0)})
+        monarch.synchronize(a, TIMEOUT)
+        rows = []
+        for target in (Shard(0), Shard(1)):
+            held: list[object] = []
+            direct = median_time(lambda: held.append(t.to_mesh(b, {"y": target})), reps, held.clear)
+            routed = median_time(lambda: held.append(_routed(t, b, target)), reps, held.clear)
+            ways = ((f"to_mesh, S(0) -> {target!r}", direct), (f"full_tensor + distribute, -> {target!r}", routed))
+            for way, s in ways:
+                rows.append((size_name(nbytes), way, f"{s * 1e3:.1f} ms", f"{nbytes / s / 1e9:.2f} GB/s",
+                             f"{routed / s:.2f}x"))
+    grid(("size", "way (2 ranks -> 2 ranks)", "time", "bandwidth", "vs through the controller"), rows)
+
+
+def _routed(t: object, mesh: object, target: object) -> object:
+    """The way without to_mesh: the whole tensor to the controller, then each piece to its rank."""
+    import monarch
+    moved = monarch.distribute_tensor(t.full_tensor(timeout=TIMEOUT), mesh, {"y": target})
+    monarch.synchronize(mesh, TIMEOUT)
+    return moved
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {"collectives": collectives, "one-sided": onesided,
+                                                            "to_mesh": to_mesh}
 
 
 def main() -> None:
