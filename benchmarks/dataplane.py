@@ -31,8 +31,10 @@ from pathlib import Path
 
 import torch
 
+from monarch import MeshTensor, Placement
 from monarch.actor import Actor, ActorMesh, endpoint
 from monarch.rdma import RDMABuffer
+from monarch.shape import MeshLike
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from actors import machine  # noqa: E402 - benchmarks import each other from this folder
@@ -327,7 +329,7 @@ def to_mesh(args: argparse.Namespace) -> None:
     grid(("size", "way (2 ranks -> 2 ranks)", "time", "bandwidth", "vs through the controller"), rows)
 
 
-def _routed(t: object, mesh: object, target: object) -> object:
+def _routed(t: MeshTensor, mesh: MeshLike, target: Placement) -> MeshTensor:
     """The way without to_mesh: the whole tensor to the controller, then each piece to its rank."""
     import monarch
     moved = monarch.distribute_tensor(t.full_tensor(timeout=TIMEOUT), mesh, {"y": target})
@@ -335,8 +337,8 @@ def _routed(t: object, mesh: object, target: object) -> object:
     return moved
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {"collectives": collectives, "one-sided": onesided,
-                                                            "to_mesh": to_mesh}
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "collectives": collectives, "one-sided": onesided, "to_mesh": to_mesh}
 
 
 def main() -> None:
