@@ -1,8 +1,9 @@
 """The shared-memory transport equals the MPI one: random collectives on bare ranks (transport_check.py under
-mpiexec, 2-4 ranks, every kind, dtype and op, uneven and strided pieces), random programs and redistributions
-on meshes run with MONARCH_TRANSPORT=auto (shm on this host) and =mpi, a compiled step's bucketed all_reduce;
-the collectives table names the transport that ran. A rank killed while its peer waits in a collective fails
-the mesh without a hang.
+mpiexec, 2-4 ranks, every kind, dtype and op, uneven, strided and multi-megabyte pieces) by cross-memory attach,
+and through the shared windows where a seccomp filter makes the kernel refuse process_vm_readv (said once on
+stderr); random programs and redistributions on meshes run with MONARCH_TRANSPORT=auto (shm on this host) and
+=mpi, a compiled step's bucketed all_reduce; the collectives table names the transport that ran. A rank killed
+while its peer waits in a collective fails the mesh without a hang.
 """
 from __future__ import annotations
 
@@ -31,18 +32,34 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
 pytestmark = pytest.mark.filterwarnings("ignore:monarch. .* has no sharding rule")
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_transports_agree_on_random_collectives(ranks: int) -> None:
+def check(ranks: int, *args: str, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """transport_check.py under mpiexec: its stdout and stderr, after asserting every rank printed "ok"."""
     mpiexec = Path(sys.executable).with_name("mpiexec")
-    proc = subprocess.Popen([str(mpiexec), "-n", str(ranks), sys.executable, str(CHECK), str(ranks), "150"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([str(mpiexec), "-n", str(ranks), sys.executable, str(CHECK), str(ranks), "150", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     try:
-        out, _ = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0 and out.count("ok 150") == ranks, out[-3000:]
+    assert proc.returncode == 0 and out.count("ok 150") == ranks, out[-3000:] + err[-3000:]
+    return out, err
+
+
+REFUSED = "may not read each other's memory"
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_transports_agree_on_random_collectives(ranks: int) -> None:
+    assert REFUSED not in check(ranks)[1]
+
+
+def test_refused_cross_memory_reads_fall_back_to_shared_windows() -> None:
+    """process_vm_readv fails with EPERM in every rank (MPICH's own cross-memory copies are turned off)."""
+    _, err = check(2, "refused", env={"MPIR_CVAR_CH4_CMA_ENABLE": "0"})
+    assert err.count(REFUSED) == 2, err[-3000:]
 
 
 @pytest.fixture(scope="module", params=[{"dp": 2, "tp": 2}, {"x": 4}], ids=["dp2xtp2", "x4"])
@@ -152,7 +169,7 @@ def test_rank_killed_mid_collective_fails_the_mesh() -> None:
     try:
         sleepers = procs.spawn("sleepers", Sleeper)
         part = monarch.distribute_tensor(torch.ones(1 << 16), procs, {"x": Shard(0)}).sum()
-        part.full_tensor(timeout=T)  # the group's segment exists: the next collective runs on it
+        part.full_tensor(timeout=T)  # the group's transport is set up: the next collective runs on it
         busy = sleepers.slice(x=1).sleep.call(600)
         pending = monarch.distribute_tensor(torch.ones(1 << 16), procs, {"x": Shard(0)}).sum()
         time.sleep(0.5)

@@ -1,8 +1,13 @@
 """Run under `mpiexec -n K`: random collectives through the MPI and the shared-memory transports of every
-rank, checked against each other and against plain torch; prints one line per rank ("ok N" or the failure)."""
+rank, checked against each other and against plain torch; prints one line per rank ("ok N" or the failure).
+With `refused`, a seccomp filter first makes this kernel refuse process_vm_readv (EPERM), as Yama would."""
 from __future__ import annotations
 
+import ctypes
+import errno
+import platform
 import random
+import struct
 import sys
 
 import torch
@@ -10,7 +15,8 @@ from mpi4py import MPI
 
 from monarch.program.instr import Comm, Start
 from monarch.runtime.engine.transport.mpi import MpiTransport
-from monarch.runtime.engine.transport.shm import ShmTransport
+from monarch.runtime.engine.transport.attach import Peers
+from monarch.runtime.engine.transport.shm import Segment, ShmTransport
 from monarch.tensor.placement import chunk
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64]
@@ -44,6 +50,8 @@ def case(rng: random.Random, k: int, me: int, step: int) -> tuple[str, Comm | St
     op = "sum" if dtype.is_complex else rng.choice(["sum", "max", "min", "prod"])
     ndim = rng.randint(1, 3)
     base = [rng.randint(1, 6) for _ in range(ndim)]
+    if rng.random() < 0.05:  # pieces over a megabyte: reductions run in several chunks
+        base[-1] *= 100_000 + rng.randint(0, 999)
     dim, cat = rng.randrange(ndim), rng.randrange(ndim)
     uneven = kind == "all_gather" and rng.random() < 0.5
     shapes = tuple(tuple(b if d != dim or not uneven else random.Random(step * 31 + r).randint(0, 6)
@@ -66,12 +74,33 @@ def case(rng: random.Random, k: int, me: int, step: int) -> tuple[str, Comm | St
     return kind, Comm(kind, 1, 2, 0, shapes, dtype, dim=dim, cat_dim=cat), xs, want
 
 
-def main(seed: int, n: int) -> None:
+def refuse_cross_memory_reads() -> None:
+    """Install a seccomp filter on this thread: process_vm_readv fails with EPERM, everything else runs."""
+    nr = {"x86_64": 310, "aarch64": 270}[platform.machine()]
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("HBBI", code, jt, jf, k)
+    prog = op(0x20, 0) + op(0x15, nr, 0, 1) + op(0x06, 0x00050000 | errno.EPERM) + op(0x06, 0x7FFF0000)
+    code = ctypes.create_string_buffer(prog)
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(38, 1, 0, 0, 0) == 0, "PR_SET_NO_NEW_PRIVS"
+    assert libc.prctl(22, 2, ctypes.byref(Fprog(len(prog) // 8, ctypes.addressof(code))), 0, 0) == 0, \
+        f"PR_SET_SECCOMP: errno {ctypes.get_errno()}"
+
+
+def main(seed: int, n: int, refused: bool) -> None:
     world = MPI.COMM_WORLD
     k, me = world.Get_size(), world.Get_rank()
     ranks = tuple(range(k))
     mpi = MpiTransport(lambda mdim: ranks)
+    if refused:
+        refuse_cross_memory_reads()
     shm = ShmTransport(lambda mdim: mpi.comm_for(ranks))
+    way = shm.group(0)
+    assert isinstance(way, Segment if refused else Peers), f"refused={refused}: {way!r}"
     rng = random.Random(seed)
     for step in range(n):
         kind, ins, xs, want = case(rng, k, me, step)
@@ -101,4 +130,4 @@ def main(seed: int, n: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:] == ["refused"])
