@@ -1,11 +1,13 @@
-"""Meshes across hosts: spawn time (ssh and srun), call_one round trip, a 64 MiB all_reduce and workspace sync,
-each beside a baseline measured in the same run between the same test hosts.
+"""Meshes across hosts: spawn time (ssh and srun), call_one round trip, a 64 MiB all_reduce, a 64 MiB RDMABuffer
+read and to_mesh, and workspace sync, each beside a baseline measured in the same run between the same test hosts.
 
 Run as root: `.venv/bin/python benchmarks/cluster.py [--calls 500] [--reps 5]`. It builds the cluster tier's test
 hosts (tests/cluster/testbed.py: network namespaces on a bridge, veth links, real sshd, slurmd and slurmctld;
 MPICH's OFI netmod so bytes cross the veths) and tears them down at the end. Baselines: a local mesh's spawn;
 a raw TCP ping-pong (1 byte, TCP_NODELAY) between the controller and the second host for the round trip; a raw
-TCP stream of the same bytes from the first host to the second (the link's ceiling) for the all_reduce; the
+TCP stream of the same bytes from the first host to the second (the link's ceiling) for the all_reduce, the
+RDMABuffer read and to_mesh (over the owners' TCP doors: the test hosts share a kernel, so the ranks are told
+MONARCH_RDMA_BACKEND=tcp, which hosts without RDMA devices would pick); the
 same all_reduce between two ranks of one host; shutil.copytree and rsync for the sync (workspace_sync.py).
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ from testbed import Testbed, can_run, can_slurm  # noqa: E402
 
 import monarch  # noqa: E402
 from monarch import Replicate, Shard  # noqa: E402
-from monarch.actor import Actor, HostMesh, endpoint, this_host  # noqa: E402
+from monarch.actor import Actor, HostMesh, ProcMesh, endpoint, this_host  # noqa: E402
+from monarch.rdma import RDMABuffer  # noqa: E402
 
 TIMEOUT = 120.0
 MIB64 = 64 << 20
@@ -38,6 +41,24 @@ class Ping(Actor):
     @endpoint
     def ping(self) -> int:
         return 1
+
+
+class Share(Actor):
+    """Holds 64 MiB in an RDMABuffer, or times reading one (median seconds of `reps`)."""
+
+    @endpoint
+    def share(self) -> RDMABuffer:
+        self.data = torch.ones(MIB64, dtype=torch.uint8)
+        return RDMABuffer(self.data)
+
+    @endpoint
+    def read(self, buf: RDMABuffer, reps: int) -> float:
+        out, times = torch.empty(buf.size(), dtype=torch.uint8), []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            buf.read_into(out, timeout=TIMEOUT).get(timeout=TIMEOUT)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
 
 
 def spawn_to_first_answer(hosts: HostMesh, name: str) -> float:
@@ -141,6 +162,18 @@ def all_reduce_s(procs: object, dim: str, reps: int) -> float:
     return statistics.median(times[1:])
 
 
+def to_mesh_s(procs: ProcMesh, reps: int) -> float:
+    """Seconds to move 64 MiB from the rank on host 1 to the rank on host 2 with to_mesh (median of `reps`)."""
+    x = monarch.distribute_tensor(torch.ones(MIB64 // 4), procs.slice(hosts=0))
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        moved = x.to_mesh(procs.slice(hosts=1))
+        times.append(time.perf_counter() - t)
+        del moved
+    return statistics.median(times[1:])
+
+
 def row(what: str, value: str, baseline: str, base_value: str, ratio: str) -> None:
     print(f"{what:44} {value:>12}   {baseline:44} {base_value:>12}   {ratio}")
 
@@ -183,12 +216,22 @@ def run(bed: Testbed, a: argparse.Namespace) -> None:
                 os.environ.pop(k)
         row("spawn 2 hosts x 2 procs, srun, to 1st answer", f"{srun:.2f} s", "spawn 1 host x 2 procs (local)",
             f"{local:.2f} s", f"{srun / local:.2f}x")
-    with hosts.spawn_procs(per_host={"gpus": 1}, name="bench") as procs:
+    tcp = {"MONARCH_RDMA_BACKEND": "tcp"}  # the test hosts share a kernel: what hosts without one would pick
+    with hosts.spawn_procs(per_host={"gpus": 1}, name="bench", env=tcp) as procs:
         rtt, raw = call_one_us(procs, a.calls), tcp_ping_pong_us(bed, a.calls)
         row("call_one round trip, controller <-> host 2", f"{rtt:.0f} us", "raw TCP ping-pong, same path",
             f"{raw:.0f} us", f"{rtt / raw:.1f}x")
         reduce = all_reduce_s(procs, "hosts", a.reps)
+        share = procs.spawn("share", Share)
+        buf = share.slice(hosts=0).share.call_one().get(timeout=TIMEOUT)
+        read = share.slice(hosts=1).read.call_one(buf, a.reps).get(timeout=TIMEOUT)
+        moved = to_mesh_s(procs, a.reps)
     stream = tcp_stream_s(bed, MIB64)
+    row("RDMABuffer.read_into 64 MiB, host 2 <- host 1", f"{read * 1e3:.0f} ms",
+        "raw TCP stream 64 MiB host 1 -> host 2", f"{stream * 1e3:.0f} ms",
+        f"{read / stream:.2f}x ({MIB64 / read / 1e9:.2f} GB/s, tcp)")
+    row("to_mesh 64 MiB, host 1's rank -> host 2's", f"{moved * 1e3:.0f} ms", "raw TCP stream 64 MiB host 1 -> host 2",
+        f"{stream * 1e3:.0f} ms", f"{moved / stream:.2f}x")
     with this_host().spawn_procs(per_host={"gpus": 2}, name="bench-local") as one_host:
         local_reduce = all_reduce_s(one_host, "gpus", a.reps)
     gbs = MIB64 / reduce / 1e9
