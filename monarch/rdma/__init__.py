@@ -6,6 +6,7 @@ ends have an RDMA device, cross-memory attach between processes of one host, TCP
 from __future__ import annotations
 
 from monarch.rdma.buffer import LocalMemory, RDMAAction, RDMABuffer
+from monarch.runtime.engine.transport import verbs
 from monarch.runtime.engine.transport.onesided import (RDMAReadTransferWarning, RDMAWriteTransferWarning,
                                                        network_backend)
 
@@ -17,10 +18,15 @@ def get_rdma_backend() -> str:
     return network_backend()
 
 
+def is_ibverbs_available() -> bool:
+    """Whether this process has an RDMA device that transfers can use (pyverbs finds one with an active port)."""
+    return verbs.device() is not None
+
+
 def is_rdma_available() -> bool:
     """Whether RDMABuffer transfers work from this process: with an RDMA device, or through the TCP fallback."""
     return network_backend() != "none"
 
 
 __all__ = ["LocalMemory", "RDMAAction", "RDMABuffer", "RDMAReadTransferWarning", "RDMAWriteTransferWarning",
-           "get_rdma_backend", "is_rdma_available"]
+           "get_rdma_backend", "is_ibverbs_available", "is_rdma_available"]

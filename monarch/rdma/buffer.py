@@ -4,18 +4,20 @@
 An RDMABuffer registers a contiguous tensor or memoryview where it is made, without copying; the object
 is a small handle that pickles, so an endpoint can return it and any actor of any mesh of the same
 controller (or the controller) can read from it or write into it while the owner's code runs on. Each
-transfer returns a Future; a failed transfer's Future raises TransportError (or ValueError for sizes).
+transfer returns a Future and runs when that Future is waited for (Monarch's order: awaiting a write before
+a read issued earlier runs the write first); a failed transfer's Future raises TransportError. Sizes that do
+not fit raise ValueError at once.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from monarch.runtime.control.client import client
 from monarch.runtime.control.futures import CallState, Future, one_result
 from monarch.runtime.engine.transport import onesided
 from monarch.runtime.engine.transport.handle import Handle, region
@@ -59,74 +61,79 @@ class RDMABuffer:
     def read_into(self, dst: LocalMemory, *, offset: int = 0, timeout: float = 3) -> Future[None]:
         """Copy the buffer's bytes from `offset` to its end into the start of `dst` (a contiguous tensor or
         memoryview of at least that many bytes)."""
-        addr, room = region(dst, "RDMABuffer.read_into")
+        _, room = region(dst, "RDMABuffer.read_into")
         n = self.size() - offset
         if room < n or offset < 0:
             raise ValueError(f"RDMABuffer.read_into: the destination holds {room} bytes, but the buffer has "
                              f"{max(n, 0)} from offset {offset} (of {self.size()}); pass a larger destination, or "
                              "read the rest with a larger offset")
-        return _run("read_into", lambda: onesided.read(self._handle, offset, addr, n, timeout), dst)
+        return _run("read_into", lambda: onesided.read(self._handle, offset, region(dst, "")[0], n, timeout))
 
     def write_from(self, src: LocalMemory, *, offset: int = 0, timeout: float = 3) -> Future[None]:
         """Copy all of `src` into the buffer from `offset`."""
-        addr, n = region(src, "RDMABuffer.write_from")
+        _, n = region(src, "RDMABuffer.write_from")
         if offset < 0 or offset + n > self.size():
             raise ValueError(f"RDMABuffer.write_from: {n} bytes at offset {offset} do not fit the buffer's "
                              f"{self.size()} bytes")
-        return _run("write_from", lambda: onesided.write(self._handle, offset, addr, n, timeout), src)
+        return _run("write_from", lambda: onesided.write(self._handle, offset, region(src, "")[0], n, timeout))
 
     def drop(self) -> Future[None]:
         """Unregister the memory (after the transfers under way); later transfers raise TransportError."""
-        return _run("drop", lambda: onesided.drop(self._handle, 3.0), None)
+        return _run("drop", lambda: onesided.drop(self._handle, 3.0))
 
     def __repr__(self) -> str:
         return f"<RDMABuffer {self.size()} bytes of {self.owner}>"
 
 
 class RDMAAction:
-    """Several transfers submitted at once: those to one owner run in order, owners in parallel."""
+    """Several transfers submitted at once: those to one owner run in order, owners in parallel. Local memory
+    may be shared only where both transfers read it (Monarch's rule): `read_remote`/`read_into` write theirs."""
 
     def __init__(self) -> None:
-        self._ops: list[tuple[str, RDMABuffer, LocalMemory]] = []
-        self._ranges: dict[tuple[int, int], str] = {}
+        self._ops: list[tuple[bool, RDMABuffer, LocalMemory]] = []  # (a read into local memory?, buffer, local)
+        self._claims: list[tuple[int, int, bool, str]] = []  # local [start, end), written?, by what
+
+    def read_remote(self, dst: LocalMemory, src: RDMABuffer) -> RDMAAction:
+        """Add a read of all of buffer `src` into local `dst`."""
+        return self._add(True, src, dst, "read_remote")
+
+    def write_remote(self, dst: RDMABuffer, src: LocalMemory) -> RDMAAction:
+        """Add a write of all of local `src` into buffer `dst`."""
+        return self._add(False, dst, src, "write_remote")
 
     def read_into(self, src: RDMABuffer, dst: LocalMemory) -> RDMAAction:
-        """Add a read of all of `src` into `dst`."""
-        addr, n = region(dst, "RDMAAction.read_into")
-        if n < src.size():
-            raise ValueError(f"RDMAAction.read_into: dst holds {n} bytes, src has {src.size()}")
-        self._claim(addr, n, "read_into")
-        self._ops.append(("read_into", src, dst))
-        return self
+        """Add a read of all of buffer `src` into local `dst` (the earlier spelling of read_remote)."""
+        return self._add(True, src, dst, "read_into")
 
     def write_from(self, src: RDMABuffer, dst: LocalMemory) -> RDMAAction:
-        """Add a write of all of local `dst` into the buffer `src` (Monarch's argument names)."""
-        addr, n = region(dst, "RDMAAction.write_from")
-        if n > src.size():
-            raise ValueError(f"RDMAAction.write_from: local memory holds {n} bytes, the buffer only {src.size()}")
-        self._claim(addr, n, "write_from")
-        self._ops.append(("write_from", src, dst))
+        """Add a write of all of local `dst` into buffer `src` (the earlier spelling of write_remote)."""
+        return self._add(False, src, dst, "write_from")
+
+    def _add(self, reading: bool, buf: RDMABuffer, local: LocalMemory, what: str) -> RDMAAction:
+        addr, n = region(local, f"RDMAAction.{what}")
+        if reading and n < buf.size():
+            raise ValueError(f"RDMAAction.{what}: local memory holds {n} bytes, the buffer has {buf.size()}")
+        if not reading and n > buf.size():
+            raise ValueError(f"RDMAAction.{what}: local memory holds {n} bytes, the buffer only {buf.size()}")
+        for start, end, written, other in self._claims:
+            if addr < end and start < addr + n and (reading or written):
+                raise ValueError(f"RDMAAction.{what}: local bytes [{addr:#x}, {addr + n:#x}) overlap those of an "
+                                 f"earlier {other} in this action, and one of them writes there (a race)")
+        self._claims.append((addr, addr + n, reading, what))
+        self._ops.append((reading, buf, local))
         return self
 
-    def _claim(self, addr: int, n: int, op: str) -> None:
-        """Local memory of one action may be shared by reads, never by a write and another transfer."""
-        for (start, end), other in self._ranges.items():
-            if addr < end and start < addr + n and "write_from" in (op, other):
-                raise ValueError(f"RDMAAction.{op}: local bytes [{addr:#x}, {addr + n:#x}) overlap those of an "
-                                 f"earlier {other} in this action; a write must not share local memory")
-        self._ranges[(addr, addr + n)] = op
-
-    def submit(self) -> Future[None]:
-        """Run every transfer (again, when called again); the Future is done when all are."""
-        by_owner: dict[str, list[tuple[str, RDMABuffer, LocalMemory]]] = defaultdict(list)
+    def submit(self, timeout: float = 3) -> Future[None]:
+        """Every transfer (again, when submitted again), run when the Future is waited for."""
+        by_owner: dict[str, list[tuple[bool, RDMABuffer, LocalMemory]]] = defaultdict(list)
         for op in self._ops:
             by_owner[op[1].owner].append(op)
         errors: list[BaseException] = []
 
-        def run(ops: list[tuple[str, RDMABuffer, LocalMemory]]) -> None:
+        def run(ops: list[tuple[bool, RDMABuffer, LocalMemory]]) -> None:
             try:
-                for name, buf, mem in ops:
-                    (buf.read_into if name == "read_into" else buf.write_from)(mem).get()
+                for reading, buf, mem in ops:
+                    (buf.read_into if reading else buf.write_from)(mem, timeout=timeout).get()
             except BaseException as e:  # noqa: BLE001 - reported through the submit's Future
                 errors.append(e)
 
@@ -141,18 +148,33 @@ class RDMAAction:
                 t.join()
             if errors:
                 raise errors[0]
-        return _run("submit", all_of, self._ops)
+        return _run("submit", all_of)
 
 
-def _run(what: str, transfer: Callable[[], None], keep: object) -> Future[None]:
-    """Run `transfer` now, in this thread (`keep`, the local memory, stays referenced meanwhile); a Future
-    holding its outcome."""
-    state = CallState(_ONE, f"RDMABuffer.{what}")
-    try:
-        transfer()
-    except Exception as e:  # noqa: BLE001 - raised by the Future's get()
-        state.deliver(0, False, e)
-    else:
-        state.deliver(0, True, None)
-    del keep
-    return Future(state, client(), one_result)
+class _Deferred:
+    """The waiter of a transfer's Future: the transfer runs, in the waiting thread, when the Future is first
+    waited for (get() or await), as Monarch's transfers do; its closure keeps the local memory alive until
+    then, so a temporary source is never read after it was freed."""
+    threaded = False
+
+    def __init__(self, transfer: Callable[[], None]) -> None:
+        self._transfer: Callable[[], None] | None = transfer
+        self._lock = threading.Lock()
+
+    def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
+        with self._lock:
+            transfer, self._transfer = self._transfer, None
+        if transfer is None:  # another thread runs it
+            state.wait(arrived, None if deadline is None else deadline - time.monotonic())
+            return
+        try:
+            transfer()
+        except Exception as e:  # noqa: BLE001 - raised by the Future's get()
+            state.deliver(0, False, e)
+        else:
+            state.deliver(0, True, None)
+
+
+def _run(what: str, transfer: Callable[[], None]) -> Future[None]:
+    """A Future of `transfer`, which runs when it is waited for."""
+    return Future(CallState(_ONE, f"RDMABuffer.{what}"), _Deferred(transfer), one_result)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rdma_actors import T, Owner, Reader, backend
 
+from monarch import rdma
 from monarch.actor import ActorMesh
 from monarch.rdma import RDMAAction, RDMABuffer
 
@@ -154,14 +155,30 @@ def test_arguments_are_checked_before_any_transfer(owners: ActorMesh[Owner]) -> 
         buf.read_into(torch.empty(300, dtype=torch.uint8), offset=-1)
     with pytest.raises(ValueError, match="do not fit the buffer's 256 bytes"):
         buf.write_from(torch.empty(200, dtype=torch.uint8), offset=57)
-    with pytest.raises(ValueError, match="dst holds 255 bytes"):
+    with pytest.raises(ValueError, match="local memory holds 255 bytes"):
         RDMAAction().read_into(buf, torch.empty(255, dtype=torch.uint8))
     local = torch.empty(256, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="a write must not share local memory"):
+    with pytest.raises(ValueError, match="one of them writes there"):
         RDMAAction().read_into(buf, local).write_from(buf, local[100:])
+    with pytest.raises(ValueError, match="one of them writes there"):  # two reads into the same local bytes
+        RDMAAction().read_remote(local, buf).read_remote(local, buf)
+    RDMAAction().write_remote(buf, local).write_remote(buf, local)  # both only read the local bytes: fine
     tail = torch.empty(56, dtype=torch.uint8)
     buf.read_into(tail, offset=200).get(timeout=T)  # exactly the bytes from the offset to the end
     assert tail.tolist() == list(range(200, 256))
+
+
+def test_a_transfer_runs_when_its_future_is_waited_for(owners: ActorMesh[Owner]) -> None:
+    """As in Monarch: a read issued first but awaited after a write sees the written bytes."""
+    buf = share(one(owners), torch.zeros(64, dtype=torch.uint8))
+    seen = torch.empty(64, dtype=torch.uint8)
+    read = buf.read_into(seen)
+    write = buf.write_from(torch.full((64,), 7, dtype=torch.uint8))
+    assert not read.done() and not write.done()
+    write.get(timeout=T)
+    read.get(timeout=T)
+    assert seen.tolist() == [7] * 64
+    assert not rdma.is_ibverbs_available() or rdma.get_rdma_backend() == "ibverbs"
 
 
 @st.composite
