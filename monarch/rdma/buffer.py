@@ -86,12 +86,13 @@ class RDMABuffer:
 
 
 class RDMAAction:
-    """Several transfers submitted at once: those to one owner run in order, owners in parallel. Local memory
-    may be shared only where both transfers read it (Monarch's rule): `read_remote`/`read_into` write theirs."""
+    """Several transfers submitted at once: those to one owner run in order, owners in parallel. Transfers of
+    one action may share local bytes only as Monarch allows: two `write_remote`s (both read them), or two
+    `read_into`s (its earlier API, which merged such reads); any other overlap is a race and raises."""
 
     def __init__(self) -> None:
         self._ops: list[tuple[bool, RDMABuffer, LocalMemory]] = []  # (a read into local memory?, buffer, local)
-        self._claims: list[tuple[int, int, bool, str]] = []  # local [start, end), written?, by what
+        self._claims: list[tuple[int, int, str]] = []  # local [start, end), by what
 
     def read_remote(self, dst: LocalMemory, src: RDMABuffer) -> RDMAAction:
         """Add a read of all of buffer `src` into local `dst`."""
@@ -115,11 +116,11 @@ class RDMAAction:
             raise ValueError(f"RDMAAction.{what}: local memory holds {n} bytes, the buffer has {buf.size()}")
         if not reading and n > buf.size():
             raise ValueError(f"RDMAAction.{what}: local memory holds {n} bytes, the buffer only {buf.size()}")
-        for start, end, written, other in self._claims:
-            if addr < end and start < addr + n and (reading or written):
+        for start, end, other in self._claims:
+            if addr < end and start < addr + n and not (what == other and what in _SHARING):
                 raise ValueError(f"RDMAAction.{what}: local bytes [{addr:#x}, {addr + n:#x}) overlap those of an "
                                  f"earlier {other} in this action, and one of them writes there (a race)")
-        self._claims.append((addr, addr + n, reading, what))
+        self._claims.append((addr, addr + n, what))
         self._ops.append((reading, buf, local))
         return self
 
@@ -149,6 +150,9 @@ class RDMAAction:
             if errors:
                 raise errors[0]
         return _run("submit", all_of)
+
+
+_SHARING = ("write_remote", "read_into")  # transfers that may share local bytes with one of their kind
 
 
 class _Deferred:

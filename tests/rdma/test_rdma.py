@@ -163,6 +163,7 @@ def test_arguments_are_checked_before_any_transfer(owners: ActorMesh[Owner]) -> 
     with pytest.raises(ValueError, match="one of them writes there"):  # two reads into the same local bytes
         RDMAAction().read_remote(local, buf).read_remote(local, buf)
     RDMAAction().write_remote(buf, local).write_remote(buf, local)  # both only read the local bytes: fine
+    RDMAAction().read_into(buf, local).read_into(buf, local)  # Monarch's earlier API merged these
     tail = torch.empty(56, dtype=torch.uint8)
     buf.read_into(tail, offset=200).get(timeout=T)  # exactly the bytes from the offset to the end
     assert tail.tolist() == list(range(200, 256))
