@@ -60,7 +60,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_ATTACH_SECRET_FILE", "", "attach mode: a file holding that secret, read when "
          "MONARCH_ATTACH_SECRET is unset (Kubernetes pods mount it from a Secret)"),
     Flag("MONARCH_RDMA_BACKEND", "auto", "one-sided transfers (monarch.rdma, to_mesh): auto picks ibverbs where both "
-         "ends have an RDMA device, shm (cross-memory attach) between processes of one host, else tcp; or force one"),
+         "ends have an RDMA device, shm (cross-memory attach) between processes of one host, mpi (MPI RMA windows) "
+         "between workers of two hosts where UCX has an RDMA transport, else tcp; or force one"),
     Flag("MONARCH_RDMA_ALLOW_TCP_FALLBACK", "1", "0: a one-sided transfer that only TCP can carry raises "
          "TransportError instead of warning once and using TCP"),
     Flag("MONARCH_RDMA_TIMEOUT", "30", "seconds a one-sided transfer that to_mesh runs may take before it fails"),
@@ -78,6 +79,9 @@ EXTERNAL: dict[str, Flag] = {f.name: f for f in [
     Flag("SLURM_PROCID", "", "this worker's rank, from Slurm's srun"),
     Flag("SLURM_JOB_ID", "", "the Slurm allocation this process runs in (salloc, sbatch)"),
     Flag("SLURM_JOB_NODELIST", "", "the nodes of that allocation, e.g. node[1-4]"),
+    Flag("UCX_TLS", "", "the transports UCX (under MPICH) may use; the mpi one-sided backend is picked by auto only "
+         "where they include an RDMA one (rc, dc, ud)"),
+    Flag("UCX_NET_DEVICES", "", "the devices UCX may use (local meshes set lo); likewise read for that choice"),
     Flag("MPI_LOCALNRANKS", "1", "ranks of the MPI job on this host (MPICH's Hydra), to share its cores"),
     Flag("XDG_RUNTIME_DIR", "", "where the admin endpoint announces itself (default: the temp dir)"),
     Flag("PYTHONBREAKPOINT", "", "on workers: 0 disables breakpoint(); unset (or pdb.set_trace) pauses the rank in "
@@ -231,7 +235,7 @@ def max_local_procs() -> int:
 
 
 def rdma_backend() -> str:
-    return _parse("MONARCH_RDMA_BACKEND", _choice("auto", "ibverbs", "shm", "tcp"))
+    return _parse("MONARCH_RDMA_BACKEND", _choice("auto", "ibverbs", "shm", "mpi", "tcp"))
 
 
 def rdma_allow_tcp_fallback() -> bool:

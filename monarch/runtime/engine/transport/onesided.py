@@ -3,7 +3,8 @@ that monarch.rdma's RDMABuffer and the tensor engine's `to_mesh` pieces run.
 
 The choice, per owner (MONARCH_RDMA_BACKEND forces one): the same process copies in place; `shm`
 (cross-memory attach) between processes of one node; `ibverbs` where both ends have an RDMA port of one
-kind (InfiniBand or RoCE); `tcp` through the owner's door otherwise, with a warning the first time
+kind (InfiniBand or RoCE); `mpi` (RMA windows) from a worker whose UCX has an RDMA transport to a worker
+of another node; `tcp` through the owner's door otherwise, with a warning the first time
 (MONARCH_RDMA_ALLOW_TCP_FALLBACK=0 makes it an error instead). Transfers run in the calling thread; the
 caller keeps its memory alive meanwhile.
 """
@@ -16,7 +17,7 @@ import torch
 
 from monarch import config
 from monarch.errors import TransportError
-from monarch.runtime.engine.transport import cma, tcp, verbs
+from monarch.runtime.engine.transport import cma, mpi_rma, tcp, verbs
 from monarch.runtime.engine.transport.handle import Handle, region
 from monarch.runtime.engine.transport.registry import registered, registry
 
@@ -31,6 +32,7 @@ class RDMAWriteTransferWarning(Warning):
 
 _warned: set[type[Warning]] = set()  # a filter's "once" is forgotten whenever warning filters change
 _no_attach: set[int] = set()  # owner pids this kernel refused cross-memory attach to
+_no_mpi: set[tuple[int, int]] = set()  # owners (pid, start time) whose door refused an MPI pair
 
 
 def register(data: torch.Tensor | memoryview, what: str = "RDMABuffer") -> Handle:
@@ -51,7 +53,7 @@ def drop(handle: Handle, timeout: float) -> None:
 
 
 def backend_for(handle: Handle) -> str:
-    """The backend a transfer from this process to the handle's owner takes: local, ibverbs, shm or tcp."""
+    """The backend a transfer from this process to the handle's owner takes: local, shm, ibverbs, mpi or tcp."""
     mine = registered()
     if mine is not None and handle.owner == mine.owner:
         return "local"
@@ -63,6 +65,8 @@ def backend_for(handle: Handle) -> str:
     device = verbs.device()
     if handle.rkey and device is not None and device.reaches(handle.owner.verbs):
         return "ibverbs"
+    if mpi_rma.offers_rdma() and (handle.owner.pid, handle.owner.started) not in _no_mpi:
+        return "mpi"  # a worker with RDMA under UCX; the owner's door says whether it is one too
     return "tcp"
 
 
@@ -101,6 +105,15 @@ def _move(handle: Handle, offset: int, addr: int, n: int, timeout: float, readin
             raise TransportError(f"MONARCH_RDMA_BACKEND=ibverbs, but {verbs.why_not()}")
         (device.read if reading else device.write)(handle, offset, mem, addr, timeout)
         return
+    if backend == "mpi":
+        try:
+            (mpi_rma.read if reading else mpi_rma.write)(handle, offset, mem, addr, timeout)
+            return
+        except mpi_rma.NotMPI as e:
+            if config.rdma_backend() == "mpi":
+                raise TransportError(f"MONARCH_RDMA_BACKEND=mpi, but {e}; unset it (or set it to tcp) for a "
+                                     "transfer with a process outside MPI") from None
+            _no_mpi.add((handle.owner.pid, handle.owner.started))
     if backend == "shm":
         try:
             (cma.read if reading else cma.write)(handle, offset, mem, addr)

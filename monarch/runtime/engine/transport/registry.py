@@ -5,7 +5,8 @@ table is a small memfd that processes of this node map read-only through /proc/<
 with this process): a process copying with cross-memory attach checks a handle's slot there (cma.py); a
 writer holds a shared record lock on the slot while it copies, and `drop` takes the exclusive lock, so it
 waits for the writes under way, marks the slot gone, then lets the memory go. Transfers this process's door
-serves count in-process instead.
+serves count in-process instead. Every live region is attached to each MPI window this process owns a side of
+(mpi_rma.py), and detached before its memory is let go.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import fcntl
 import mmap
 import os
 import secrets
+import socket
 import struct
 import threading
 import time
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from monarch.errors import TransportError
 from monarch.runtime.control.client import client
-from monarch.runtime.engine.transport import tcp, verbs
+from monarch.runtime.engine.transport import mpi_rma, tcp, verbs
 from monarch.runtime.engine.transport.handle import Handle, Owner, memory, start_time, this_node
 
 SLOT = struct.Struct("<QQQQ16s")  # live, generation, address, size, key
@@ -57,6 +59,7 @@ class Registry:
         self._lock = threading.Lock()
         self._busy: dict[int, int] = {}  # slot -> transfers this process serves from it now
         self._idle = threading.Condition(self._lock)
+        self._windows: list[mpi_rma.Attached] = []
         self.verbs = verbs.device()
         self.server = tcp.Server(self, client().reach_host())
         self.owner = Owner(os.getpid(), start_time(os.getpid()), this_node(), self.server.host, self.server.port,
@@ -79,6 +82,8 @@ class Registry:
             gen = self._gens[slot] = self._gens.get(slot, 0) + 1
             key = secrets.token_bytes(16)
             self._regions[slot] = Region(keep, addr, size, gen, key, rkey)
+            for window in self._windows:
+                window.attach(addr, size)
             self._write(slot, SLOT.pack(1, gen, addr, size, key))
         return Handle(self.owner, slot, gen, key, addr, size, rkey)
 
@@ -93,6 +98,8 @@ class Registry:
                 self._write(slot, SLOT.pack(0, gen, 0, 0, bytes(16)))
             finally:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, SLOT_BYTES, slot * SLOT_BYTES)
+            for window in self._windows:
+                window.detach(region.addr, region.size)
             del self._regions[slot]
             self._free.append(slot)
         if self.verbs and region.rkey:
@@ -140,6 +147,23 @@ class Registry:
                 if not self._busy[slot]:
                     del self._busy[slot]
                     self._idle.notify_all()
+
+    # -- MPI windows (mpi_rma.py) -------------------------------------------------------------------
+    def join_mpi(self, sock: socket.socket) -> None:
+        """The door's MPI_JOIN: join the asking reader's pair and serve it on `sock`."""
+        mpi_rma.serve(sock, self)
+
+    def add_window(self, window: mpi_rma.Attached) -> None:
+        """Attach every live region to a new pair's window, and later ones as they are registered."""
+        with self._lock:
+            for region in self._regions.values():
+                window.attach(region.addr, region.size)
+            self._windows.append(window)
+
+    def remove_window(self, window: mpi_rma.Attached) -> None:
+        with self._lock:
+            self._windows.remove(window)
+            window.detach_all()
 
     def live(self) -> int:
         """How many regions are registered now."""

@@ -4,7 +4,8 @@ works anywhere; `onesided` picks it when no faster path reaches the owner).
 A request is a fixed 56-byte header (no pickle: nothing is decoded before the handle's key is checked):
 magic, op, slot, generation, key, offset, length. READ answers a status and the bytes; WRITE answers a
 status, then takes the bytes straight into the region and acknowledges; DROP unregisters; VERBS trades
-queue-pair addresses for the verbs backend. A bad request gets an error status naming what was wrong, then
+queue-pair addresses for the verbs backend; MPI_JOIN joins an MPI pair (mpi_rma.py), whose line the
+connection then is. A bad request gets an error status naming what was wrong, then
 the connection closes. Bytes move between the socket and the region's memory without a copy.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from monarch.runtime.engine.transport.handle import Handle
 HEADER = struct.Struct("<4sB3xIQ16sQQ")  # magic, op, slot, generation, key, offset, length
 STATUS = struct.Struct("<BI")  # 0 ok / 1 error, then the error text's length
 MAGIC = b"MRD1"
-READ, WRITE, DROP, VERBS = 1, 2, 3, 4
+READ, WRITE, DROP, VERBS, MPI_JOIN = 1, 2, 3, 4, 5
 MAX_TEXT = 4096
 
 
@@ -46,6 +47,8 @@ class Regions(Protocol):
 
     def drop(self, slot: int, gen: int, key: bytes) -> None: ...
 
+    def join_mpi(self, sock: socket.socket) -> None: ...
+
 
 class Server:
     """Accepts on `host` (an ephemeral port) in a daemon thread; one thread per connection serves requests."""
@@ -55,7 +58,8 @@ class Server:
         self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.host, self.port = self._listener.getsockname()[:2]
         self._ops: dict[int, Callable[[socket.socket, tuple], None]] = {
-            READ: self._read, WRITE: self._write, DROP: self._drop, VERBS: self._verbs}
+            READ: self._read, WRITE: self._write, DROP: self._drop, VERBS: self._verbs,
+            MPI_JOIN: self._mpi_join}
         threading.Thread(target=self._accept, name="monarch-rdma-door", daemon=True).start()
 
     def _accept(self) -> None:
@@ -107,6 +111,11 @@ class Server:
         with self.registry.using(h[2], h[3], h[4], 0, 0):  # only the holder of a live handle connects
             self.registry.verbs.accept(sock, h[6])
 
+    def _mpi_join(self, sock: socket.socket, h: tuple) -> None:
+        with self.registry.using(h[2], h[3], h[4], 0, 0):  # only the holder of a live handle joins
+            pass
+        self.registry.join_mpi(sock)
+
 
 # -- the client side ---------------------------------------------------------------------------------
 _idle: dict[tuple[str, int], list[socket.socket]] = defaultdict(list)  # open connections, by door
@@ -118,7 +127,7 @@ def read(handle: Handle, offset: int, dst: memoryview, timeout: float) -> None:
     with _connection(handle, timeout) as sock:
         _ask(sock, handle, READ, offset, len(dst), timeout)
         if not _recv_into(sock, dst):
-            raise _gone(handle, "closed the connection mid-read")
+            raise gone(handle, "closed the connection mid-read")
 
 
 def write(handle: Handle, offset: int, src: memoryview, timeout: float) -> None:
@@ -160,9 +169,9 @@ class _connection:
         if kind is not None:
             self.sock.close()
             if kind is socket.timeout or kind is TimeoutError:
-                raise _gone(self.handle, f"did not answer within {self.timeout:g} s") from None
+                raise gone(self.handle, f"did not answer within {self.timeout:g} s") from None
             if issubclass(kind, OSError):
-                raise _gone(self.handle, "closed the connection (the process died or dropped it)") from None
+                raise gone(self.handle, "closed the connection (the process died or dropped it)") from None
             return
         with _idle_lock:
             _idle[self.door].append(self.sock)
@@ -173,7 +182,7 @@ def _connect(handle: Handle, timeout: float) -> socket.socket:
     try:
         sock = socket.create_connection((handle.owner.host, handle.owner.port), timeout=max(timeout, 0.001))
     except OSError as e:
-        raise _gone(handle, f"cannot be reached ({e.strerror or e})") from None
+        raise gone(handle, f"cannot be reached ({e.strerror or e})") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(max(deadline - time.monotonic(), 0.001))
     return sock
@@ -188,14 +197,14 @@ def answer(sock: socket.socket, handle: Handle) -> None:
     """Read the owner's status; TransportError with its reason when it refused."""
     raw = recv_exactly(sock, STATUS.size)
     if raw is None:
-        raise _gone(handle, "closed the connection")
+        raise gone(handle, "closed the connection")
     failed, n = STATUS.unpack(raw)
     if failed:
         text = recv_exactly(sock, min(n, MAX_TEXT)) or b""
         raise TransportError(f"RDMA transfer refused by {handle.owner}: {text.decode(errors='replace')}")
 
 
-def _gone(handle: Handle, what: str) -> TransportError:
+def gone(handle: Handle, what: str) -> TransportError:
     return TransportError(f"RDMA transfer between {socket.gethostname()} (pid {os.getpid()}) and {handle.owner} "
                           f"({handle.owner.host}:{handle.owner.port}) failed: the owner {what}")
 
