@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 from strategies import Program, placement_tuples, programs, run_program, tensor_shapes
 
 import monarch
-from monarch import Shard
+from monarch import Replicate, Shard
 from monarch.actor import Actor, ProcMesh, endpoint, this_host
 from monarch.errors import SupervisionError
+from monarch.runtime.engine.transport.shm import ATTACH_BYTES
 
 T = 60.0
 CHECK = Path(__file__).with_name("transport_check.py")
@@ -124,6 +125,23 @@ def test_redistributions_of_every_dtype_are_exact(meshes: tuple[ProcMesh, ProcMe
     assert transports(auto, since) <= {"shm"} and transports(mpi, since) <= {"mpi"}
 
 
+def test_large_collectives_go_by_cross_memory_attach(meshes: tuple[ProcMesh, ProcMesh]) -> None:
+    """Collectives of ATTACH_BYTES and more, uneven pieces: all_reduce, all_gather, reduce_scatter on the auto mesh."""
+    auto = meshes[0]
+    dim, k = next(iter(auto.extent.items()))
+    n = ATTACH_BYTES // 4 + 3
+    x = integral((k, n), torch.float32, 0)
+    since = now_us()
+    part = monarch.distribute_tensor(x, auto, {dim: Shard(0)}).sum(0)  # Partial over `dim`
+    assert torch.equal(part.redistribute({dim: Replicate()}).full_tensor(timeout=T), x.sum(0))
+    sharded = part.redistribute({dim: Shard(0)})
+    assert torch.equal(sharded.full_tensor(timeout=T), x.sum(0))
+    assert torch.equal(sharded.redistribute({dim: Replicate()}).full_tensor(timeout=T), x.sum(0))
+    rows = auto.sql(f"SELECT kind, transport, max(bytes) FROM collectives WHERE mesh = '{auto.name}' AND start_us >= "
+                    f"{since} GROUP BY kind, transport ORDER BY kind")
+    assert [r[:2] for r in rows] == [("all_gather", "shm"), ("all_reduce", "shm"), ("reduce_scatter", "shm")], rows
+
+
 def test_compiled_step_buckets_on_shared_memory(meshes: tuple[ProcMesh, ProcMesh]) -> None:
     """Data parallel over the mesh's first dim: the gradients' all_reduces start in buckets."""
     auto, mpi = meshes
@@ -163,16 +181,18 @@ class Sleeper(Actor):
         time.sleep(seconds)
 
 
-def test_rank_killed_mid_collective_fails_the_mesh() -> None:
-    """Rank 1 is held in an actor call while rank 0 enters an all_reduce and waits for it; rank 1 is killed."""
+@pytest.mark.parametrize("n", [1 << 16, ATTACH_BYTES // 4], ids=["segment", "attach"])
+def test_rank_killed_mid_collective_fails_the_mesh(n: int) -> None:
+    """Rank 1 is held in an actor call while rank 0 enters an all_reduce of n floats and waits for it; rank 1
+    is killed."""
     procs = this_host().spawn_procs(per_host={"x": 2}, name="shm_victim")
     try:
         sleepers = procs.spawn("sleepers", Sleeper)
         part = monarch.distribute_tensor(torch.ones(1 << 16), procs, {"x": Shard(0)}).sum()
         part.full_tensor(timeout=T)  # the group's transport is set up: the next collective runs on it
         busy = sleepers.slice(x=1).sleep.call(600)
-        pending = monarch.distribute_tensor(torch.ones(1 << 16), procs, {"x": Shard(0)}).sum()
-        time.sleep(0.5)
+        pending = monarch.distribute_tensor(torch.ones(2, n), procs, {"x": Shard(0)}).sum(0)
+        time.sleep(0.5 + n / 2**23)  # rank 0 has its piece and waits in the all_reduce
         os.kill(procs.pids[1], signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(SupervisionError):

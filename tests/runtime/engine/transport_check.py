@@ -1,5 +1,6 @@
 """Run under `mpiexec -n K`: random collectives through the MPI and the shared-memory transports of every
-rank, checked against each other and against plain torch; prints one line per rank ("ok N" or the failure).
+rank, and by cross-memory attach whatever their size, checked against each other and against plain torch;
+prints one line per rank ("ok N" or the failure).
 With `refused`, a seccomp filter first makes this kernel refuse process_vm_readv (EPERM), as Yama would."""
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import platform
 import random
 import struct
 import sys
+from collections.abc import Callable
 
 import torch
 from mpi4py import MPI
 
 from monarch.program.instr import Comm, Start
 from monarch.runtime.engine.transport.mpi import MpiTransport
+from monarch.runtime.engine.transport import attach
 from monarch.runtime.engine.transport.attach import Peers
-from monarch.runtime.engine.transport.shm import Segment, ShmTransport
+from monarch.runtime.engine.transport.shm import ATTACH_BYTES, Segment, ShmTransport
 from monarch.tensor.placement import chunk
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64]
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "bucket"]
+Way = Callable[[Comm | Start, torch.Tensor, bool], torch.Tensor]  # a collective or a bucket (owned), its result
 
 
 def full(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -99,32 +103,39 @@ def main(seed: int, n: int, refused: bool) -> None:
     if refused:
         refuse_cross_memory_reads()
     shm = ShmTransport(lambda mdim: mpi.comm_for(ranks))
-    way = shm.group(0)
-    assert isinstance(way, Segment if refused else Peers), f"refused={refused}: {way!r}"
+    peers = shm.group(0)[1]
+    assert (peers is None) == refused and isinstance(shm.way(0, ATTACH_BYTES), Segment if refused else Peers)
+    ways: dict[str, Way] = {"mpi": lambda ins, x, owned: mpi.start(ins, x)() if isinstance(ins, Start) else
+                            mpi(ins, x, owned),
+                            "shm": lambda ins, x, owned: shm.start(ins, x)() if isinstance(ins, Start) else
+                            shm(ins, x, owned)}
+    if peers is not None:  # every size by cross-memory attach, beside the transport's own choice by size
+        ways["attach"] = lambda ins, x, owned: attach.all_reduce(peers, ins.op, x, True) if isinstance(ins, Start) \
+            else attach.run(peers, ins, x, owned)
     rng = random.Random(seed)
     for step in range(n):
         kind, ins, xs, want = case(rng, k, me, step)
         x = xs[me]
-        if kind == "bucket":
-            flat = x.reshape(-1)
-            a, b = mpi.start(ins, flat.clone())(), shm.start(ins, flat.clone())()
-        else:
-            a, b = mpi(ins, x), shm(ins, x)
+        got = {}
+        for who, way in ways.items():
+            if kind == "bucket":
+                got[who] = way(ins, x.reshape(-1).clone(), True)
+                continue
+            got[who] = way(ins, x, False)
             if kind == "all_reduce":  # an input no one reads afterwards is reduced in place
-                own = [x.clone(), x.clone()]
-                c, d = mpi(ins, own[0], True), shm(ins, own[1], True)
-                assert torch.equal(c, a) and torch.equal(d, b), f"{ins!r}: in place differs"
+                assert torch.equal(way(ins, x.clone(), True), got[who]), f"{who} {ins!r}: in place differs"
         assert torch.equal(x, xs[me]), f"{ins!r}: the input changed"
         inexact = ins.dtype.is_floating_point or ins.dtype.is_complex
         exact = k <= 2 or not inexact or kind in ("all_gather", "all_to_all")
-        for got, who in ((a, "mpi"), (b, "shm")):
-            assert got.dtype == want.dtype and got.shape == want.shape, f"{who} {ins!r}: {got.shape} {want.shape}"
-            assert got.is_contiguous(), f"{who} {ins!r}: not contiguous"
+        for who, out in got.items():
+            assert out.dtype == want.dtype and out.shape == want.shape, f"{who} {ins!r}: {out.shape} {want.shape}"
+            assert out.is_contiguous(), f"{who} {ins!r}: not contiguous"
             tol = {} if exact else {"rtol": 1e-2, "atol": 1e-2}
-            torch.testing.assert_close(got, want, equal_nan=True, **(tol or {"rtol": 0, "atol": 0}),
+            torch.testing.assert_close(out, want, equal_nan=True, **(tol or {"rtol": 0, "atol": 0}),
                                        msg=lambda m: f"{who} {ins!r}: {m}")
-        if exact:
-            assert torch.equal(a, b) or (a.isnan() & b.isnan()).any(), f"{ins!r}: mpi and shm differ"
+            if exact:
+                a = got["mpi"]
+                assert torch.equal(a, out) or (a.isnan() & out.isnan()).any(), f"{ins!r}: mpi and {who} differ"
     shm.close()
     print(f"ok {n}", flush=True)
 

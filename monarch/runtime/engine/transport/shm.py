@@ -1,6 +1,6 @@
-"""Collectives between the ranks of one host: by cross-memory attach (attach.py) where the kernel lets the
-members read each other's memory (probed once per group), else through a shared-memory segment per group
-(MPI-3 shared windows), said once on stderr.
+"""Collectives between the ranks of one host: through a shared-memory segment per group (MPI-3 shared windows),
+and from ATTACH_BYTES on by cross-memory attach (attach.py) where the kernel lets the members read each other's
+memory (probed once per group; where it does not, said once on stderr).
 
 With a segment, each member owns a slot of its group's segment and sees every slot as a torch view. A collective writes
 this rank's piece into its slot (the one copy in), waits on a barrier of the group's communicator, then
@@ -27,6 +27,8 @@ from monarch.runtime.engine.transport.registry import allow_cross_memory_readers
 from monarch.tensor.placement import chunk
 
 ALIGN = 4096  # slot sizes are multiples of a page: every slot starts aligned for any dtype
+ATTACH_BYTES = 32 << 20  # a collective whose largest tensor is this big goes by cross-memory attach: its one copy
+# then beats the segment's two, whose copies below it stay in cache while process_vm_readv pins every page
 
 
 def shares_memory(comm: MPI.Intracomm) -> bool:
@@ -74,21 +76,31 @@ class ShmTransport:
 
     def __init__(self, comm_of: Callable[[int], MPI.Intracomm]) -> None:
         self.comm_of = comm_of
-        self._groups: dict[int, Peers | Segment] = {}  # by communicator handle
+        self._groups: dict[int, tuple[Segment, Peers | None]] = {}  # by communicator handle
         allow_cross_memory_readers()
 
     def name(self, mdim: int) -> str:
         return "shm"
 
-    def group(self, mdim: int) -> Peers | Segment:
+    def group(self, mdim: int) -> tuple[Segment, Peers | None]:
+        """The group's segment, and its peers where they may read each other's memory."""
         comm = self.comm_of(mdim)
         g = self._groups.get(comm.py2f())
         if g is None:
-            g = self._groups[comm.py2f()] = Peers.probe(comm) or _segment(comm)
+            peers = Peers.probe(comm)
+            if peers is None:
+                _say_refused()
+            g = self._groups[comm.py2f()] = (Segment(comm), peers)
         return g
 
+    def way(self, mdim: int, nbytes: int) -> Segment | Peers:
+        """How a collective whose largest tensor has `nbytes` runs (the same on every member)."""
+        seg, peers = self.group(mdim)
+        return peers if peers is not None and nbytes >= ATTACH_BYTES else seg
+
     def __call__(self, ins: Comm, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
-        g = self.group(ins.mdim)
+        sizes = [prod(s) for s in ins.shapes]
+        g = self.way(ins.mdim, (sum(sizes) if ins.kind == "all_gather" else max(sizes)) * x.dtype.itemsize)
         if isinstance(g, Peers):
             return attach.run(g, ins, x, owned)
         if ins.kind == "all_reduce":
@@ -97,21 +109,15 @@ class ShmTransport:
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The bucket's all_reduce, run now into `flat` (cheap within a host); the callable returns it."""
-        g = self.group(ins.mdim)
+        g = self.way(ins.mdim, flat.nbytes)
         out = attach.all_reduce(g, ins.op, flat, True) if isinstance(g, Peers) else all_reduce(g, ins.op, flat, True)
         return lambda: out
 
     def close(self) -> None:
         """Free every segment (collective over each group: all members close together)."""
-        for g in self._groups.values():
-            if isinstance(g, Segment):
-                g.free()
+        for seg, _ in self._groups.values():
+            seg.free()
         self._groups.clear()
-
-
-def _segment(comm: MPI.Intracomm) -> Segment:
-    _say_refused()
-    return Segment(comm)
 
 
 @functools.cache
