@@ -34,6 +34,7 @@ import torch
 from monarch import MeshTensor, Placement
 from monarch.actor import Actor, ActorMesh, endpoint
 from monarch.rdma import RDMABuffer
+from monarch.runtime.control.launch import MALLOC
 from monarch.shape import MeshLike
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -148,7 +149,8 @@ def raw_gloo(nbytes: int, reps: int) -> None:
 
 
 def job(cmd: list[str], n: int) -> dict[str, dict[str, float | None]]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+    """Run a raw job with the workers' malloc settings (its transport calls allocate outputs as workers do)."""
+    env = {**MALLOC, **os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
