@@ -9,7 +9,8 @@ torchrun, and one process's memcpy of 64 MiB. Medians of 5 (3 with --quick). Bus
 NCCL-tests: all_reduce 2(n-1)/n * bytes/t, all_gather and reduce_scatter (n-1)/n * bytes/t.
 
 one-sided: RDMABuffer.read_into / write_from of 4 KiB, 1 MiB and 64 MiB between actors of two meshes of this
-host, by cross-memory attach (shm) and the owner's TCP door, against half an MPI Send/Recv round trip of the
+host, by cross-memory attach (shm), the owner's TCP door and MPI RMA windows (mpi: a pair joined on the
+first transfer, outside the timing), against half an MPI Send/Recv round trip of the
 same bytes (two ranks of an mpiexec job) and one process's memcpy; and an 8-byte read's latency against half an
 MPI round trip and against an endpoint returning the 8 bytes. Medians of 5 warm runs (3 with --quick).
 
@@ -270,7 +271,7 @@ def onesided(args: argparse.Namespace) -> None:
         owner, reader = a.spawn("owner", Peer), b.spawn("reader", Peer)
         bufs = {n: owner.share.call_one(n).get(timeout=TIMEOUT) for n in sizes}
         ways = {be: {n: reader.transfers.call_one(bufs[n], be, reps).get(timeout=TIMEOUT) for n in sizes}
-                for be in ("shm", "tcp")}
+                for be in ("shm", "tcp", "mpi")}
         endpoint_s = reader.endpoint_return.call_one(owner, 8, reps).get(timeout=TIMEOUT)
     rows, copies = [], {n: statistics.median(ways[be][n]["memcpy"] for be in ways) for n in ONESIDED_SIZES}
     for n in ONESIDED_SIZES:

@@ -179,9 +179,11 @@ def _transfer(handle: Handle, offset: int, addr: int, n: int, timeout: float, re
             pair.sock.settimeout(max(deadline - time.monotonic(), 0.001))
             pair.sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.READ if reading else tcp.WRITE, handle.slot,
                                               handle.gen, handle.key, offset, n))
-            tcp.answer(pair.sock, handle)  # refused: the owner goes on serving the pair
-        except OSError:
-            raise _abandon(handle, pair, "did not answer on the pair's line") from None
+            tcp.answer(pair.sock, handle)
+        except tcp.Refusal:
+            raise  # the owner goes on serving the pair
+        except (OSError, TransportError):
+            raise _abandon(handle, pair, "did not answer on the pair's line (it died, or hung)") from None
         _run(lambda: _rma(pair.win, handle.addr + offset, addr, n, reading), deadline, handle, pair,
              "Get" if reading else "Put")
         try:

@@ -30,6 +30,10 @@ READ, WRITE, DROP, VERBS, MPI_JOIN = 1, 2, 3, 4, 5
 MAX_TEXT = 4096
 
 
+class Refusal(TransportError):
+    """The owner answered, and refused the request (the connection stays usable)."""
+
+
 class Acceptor(Protocol):
     """The verbs backend's side of the door (verbs.Device): it takes a peer's queue-pair request."""
 
@@ -201,7 +205,7 @@ def answer(sock: socket.socket, handle: Handle) -> None:
     failed, n = STATUS.unpack(raw)
     if failed:
         text = recv_exactly(sock, min(n, MAX_TEXT)) or b""
-        raise TransportError(f"RDMA transfer refused by {handle.owner}: {text.decode(errors='replace')}")
+        raise Refusal(f"RDMA transfer refused by {handle.owner}: {text.decode(errors='replace')}")
 
 
 def gone(handle: Handle, what: str) -> TransportError:
