@@ -7,8 +7,9 @@ owner attaches every live region to it (registry.py), so a handle's address is i
 join's TCP connection stays as the pair's line: before each transfer the reader sends the request's header
 there, the owner checks it, holds the region (a drop waits) and drives MPI's progress until the reader says it
 is done (MPICH over UCX does not complete passive-target operations while the target calls no MPI, and its
-async progress thread would spin a core for good). The reader runs its MPI calls in a thread of their own and
-waits with the transfer's timeout: a pair whose peer stops answering is abandoned, never used again.
+async progress thread would spin a core for good). The reader holds a lock-all epoch for the pair's life and
+polls its Rget/Rput requests until the transfer's deadline; the join and a write's flush, which cannot be
+polled, run in a thread of their own. A pair whose peer stops answering is abandoned, never used again.
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 
 LENGTH = struct.Struct("<I")
 DONE = b"\x01"
-CHUNK = 1 << 30  # the most bytes one Get or Put moves
+CHUNK = 1 << 30  # the most bytes one Rget or Rput moves
+POLLS_PER_CHECK = 256  # request tests between looks at the clock
 OWNER_RANK = 0  # the owner's rank in a pair's merged communicator
 RDMA_TLS = ("rc", "dc", "ud", "ib")  # UCX transport names (and prefixes: rc_mlx5, dc_x, ...) that are RDMA
 NOT_MPI = "is not an MPI process"
@@ -184,25 +186,34 @@ def _transfer(handle: Handle, offset: int, addr: int, n: int, timeout: float, re
             raise  # the owner goes on serving the pair
         except (OSError, TransportError):
             raise _abandon(handle, pair, "did not answer on the pair's line (it died, or hung)") from None
-        _run(lambda: _rma(pair.win, handle.addr + offset, addr, n, reading), deadline, handle, pair,
-             "Get" if reading else "Put")
+        _rma(pair, handle, handle.addr + offset, addr, n, reading, deadline)
         try:
             pair.sock.sendall(DONE)
         except OSError:
             raise _abandon(handle, pair, "closed the pair's line") from None
 
 
-def _rma(win: Win, disp: int, addr: int, n: int, reading: bool) -> None:
-    """One passive-target epoch: shared lock, the bytes in chunks, unlock (complete at both ends)."""
+def _rma(pair: Pair, handle: Handle, disp: int, addr: int, n: int, reading: bool, deadline: float) -> None:
+    """The bytes in chunks, in the pair's lock-all epoch: a read is done once its requests completed (polled
+    here until the deadline); a write's puts are then flushed, complete at the owner (in a thread of its own:
+    MPI's flush has no timeout)."""
     MPI = _mpi()
-    win.Lock(OWNER_RANK, MPI.LOCK_SHARED)
+    what = "Rget" if reading else "Rput"
+    move = pair.win.Rget if reading else pair.win.Rput
     try:
-        for done in range(0, n, CHUNK):
-            k = min(CHUNK, n - done)
-            local = [MPI.buffer.fromaddress(addr + done, k), MPI.BYTE]
-            (win.Get if reading else win.Put)(local, OWNER_RANK, (disp + done, k, MPI.BYTE))
-    finally:
-        win.Unlock(OWNER_RANK)
+        requests = [move([MPI.buffer.fromaddress(addr + done, min(CHUNK, n - done)), MPI.BYTE], OWNER_RANK,
+                         (disp + done, min(CHUNK, n - done), MPI.BYTE)) for done in range(0, n, CHUNK)]
+        polls = 0
+        while not MPI.Request.Testall(requests):
+            polls += 1
+            if polls % POLLS_PER_CHECK == 0:
+                if time.monotonic() > deadline:
+                    raise _abandon(handle, pair, f"did not complete MPI {what} in time (the owner hung or died)")
+                time.sleep(0)  # lets this process's other threads run
+    except MPI.Exception as e:
+        raise _abandon(handle, pair, f"failed MPI {what}: {e.Get_error_string()}") from None
+    if not reading:
+        _run(lambda: pair.win.Flush(OWNER_RANK), deadline, handle, pair, "Win_flush")
 
 
 def _pair(handle: Handle, timeout: float) -> Pair:
@@ -248,6 +259,7 @@ def _join(handle: Handle, timeout: float) -> Pair:
         comm = inter.Merge(True)
         win = MPI.Win.Create_dynamic(comm=comm)
         win.Set_errhandler(MPI.ERRORS_RETURN)
+        win.Lock_all(MPI.MODE_NOCHECK)  # for the pair's life: the owner never locks its side
         return comm, win
 
     pair = Pair(sock, *_run(connect, deadline, handle, None, "Connect"))
