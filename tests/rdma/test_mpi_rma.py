@@ -70,9 +70,8 @@ def share(owner: ActorMesh[BusyOwner], name: str, data: torch.Tensor) -> RDMABuf
 
 
 @pytest.mark.parametrize("size", [8, 4096 + 3, 3 << 20])
-def test_reads_and_writes_within_a_mesh_and_across_two_jobs(owners: ActorMesh[BusyOwner],
-                                                          readers: ActorMesh[TimedReader],
-                                                          far: ActorMesh[TimedReader], size: int) -> None:
+def test_reads_and_writes_within_a_mesh_and_across_two_jobs(
+        owners: ActorMesh[BusyOwner], readers: ActorMesh[TimedReader], far: ActorMesh[TimedReader], size: int) -> None:
     owner = owners.slice(gpus=0)
     data = torch.randint(0, 256, (size,), dtype=torch.uint8)
     buf = share(owner, f"rw{size}", data)
@@ -130,13 +129,20 @@ def test_auto_keeps_shm_on_one_host(owners: ActorMesh[BusyOwner], far: ActorMesh
     assert far.read.call_one(buf, "auto").get(timeout=T)[1] == "shm"
 
 
-def test_a_killed_owner_fails_within_the_timeout(far: ActorMesh[TimedReader], faults: list) -> None:
+def test_a_hung_or_killed_owner_fails_within_the_timeout(far: ActorMesh[TimedReader], faults: list) -> None:
     procs = this_host().spawn_procs(per_host={"gpus": 1}, name="mpi_rma_victim")
     try:
         victim = procs.spawn("victim", BusyOwner)
         buf = share(victim, "doomed", torch.ones(1 << 16, dtype=torch.uint8))
         assert far.try_read.call_one(buf, "mpi").get(timeout=T)[0] == ""  # the pair is joined
         pid = victim.pid.call_one().get(timeout=T)
+        os.kill(pid, signal.SIGSTOP)  # hung: the reader gives up at its timeout, and abandons the pair
+        try:
+            error, took = far.try_read.call_one(buf, "mpi", 1.0).get(timeout=T)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert "did not answer on the pair's line" in error and buf.owner in error, error
+        assert 0.9 < took < 2.0, took
         started = start_time(pid)
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + T
