@@ -31,6 +31,7 @@ class Peers:
     def __init__(self, comm: MPI.Intracomm, pids: list[int]) -> None:
         self.comm, self.pids = comm, pids
         self.k, self.me = comm.Get_size(), comm.Get_rank()
+        self.others = [r for r in range(self.k) if r != self.me]
 
     @classmethod
     def probe(cls, comm: MPI.Intracomm) -> Peers | None:
@@ -58,9 +59,6 @@ class Peers:
                                  "set MONARCH_TRANSPORT=mpi to avoid cross-memory attach") from None
         return dst
 
-    def others(self) -> list[int]:
-        return [r for r in range(self.k) if r != self.me]
-
 
 def publish(comm: MPI.Intracomm, *values: int) -> torch.Tensor:
     """Every member's `values` (addresses), one row per member: an Allgather, which is also a barrier."""
@@ -83,9 +81,9 @@ def reduce_range(g: Peers, op: str, mine: torch.Tensor, addrs: list[int], lo: in
         if acc is not None:  # reduced in the wider dtype, rounded once
             own = acc[:m].copy_(own)
         target = acc[:m] if acc is not None else out
-        if not g.others():
+        if not g.others:
             target.copy_(own)
-        for r in g.others():
+        for r in g.others:
             fn(own, g.read(r, addrs[r] + (lo + at) * item, scratch[:m]), out=target)
             own = target
         if acc is not None:
@@ -115,7 +113,7 @@ def all_reduce(g: Peers, op: str, x: torch.Tensor, owned: bool) -> torch.Tensor:
     lo, size = chunk(n, g.k, g.me)
     reduce_range(g, op, src, [a for a, _ in table], lo, out[lo:lo + size])
     g.comm.Barrier()
-    for r in g.others():
+    for r in g.others:
         at, c = chunk(n, g.k, r)
         if c:
             g.read(r, table[r][1] + at * item, out[at:at + c])
