@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from math import prod
 from typing import Any
 
 import torch
 
-from monarch import config
 from monarch.errors import ShardingError, TransportError
-from monarch.runtime.engine.transport import onesided
+from monarch.runtime.engine import crossmesh
 
 
 def chunk(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
@@ -131,46 +129,6 @@ def refused(message: str) -> torch.Tensor:
     raise TransportError(message)
 
 
-class Export:
-    """A piece registered for other meshes' ranks to read (to_mesh); unregistered when the store frees it.
-    It answers the controller with its handle."""
-
-    def __init__(self, x: torch.Tensor) -> None:
-        self.piece = x.contiguous()
-        self.handle = onesided.register(self.piece.view(-1).view(torch.uint8) if self.piece.numel() else
-                                        torch.zeros(1, dtype=torch.uint8), "to_mesh")
-
-    def __reduce__(self) -> tuple:
-        return self.handle.__reduce__()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # the process may be shutting down
-            onesided.drop(self.handle, config.rdma_timeout())
-
-
-def rdma_export(x: torch.Tensor) -> tuple[Export]:
-    return (Export(x),)
-
-
-def rdma_pull(shape: tuple[int, ...], dtype: torch.dtype, reads: tuple[tuple, ...]) -> torch.Tensor:
-    """This rank's piece of a tensor moved from another mesh: each read (handle, lo, hi, source piece shape,
-    box in it, where the box lands here) copies bytes one-sided, straight into the piece when both sides
-    are contiguous runs, else through a buffer of the span."""
-    out = torch.empty(shape, dtype=dtype)
-    size = dtype.itemsize
-    for handle, lo, hi, piece, box, at in reads:
-        dst = out[tuple(slice(a, a + n) for a, (_, n) in zip(at, box, strict=True))]
-        if hi - lo == dst.numel() * size and dst.is_contiguous():
-            onesided.read(handle, lo, dst.data_ptr(), hi - lo, config.rdma_timeout())
-            continue
-        span = torch.empty(hi - lo, dtype=torch.uint8)
-        onesided.read(handle, lo, span.data_ptr(), hi - lo, config.rdma_timeout())
-        strides = [prod(piece[d + 1:]) for d in range(len(piece))]
-        first = sum(s * st for (s, _), st in zip(box, strides, strict=True)) - lo // size
-        dst.copy_(span.view(dtype).as_strided(tuple(n for _, n in box), strides, first))
-    return out
-
-
 def _checkpoint(name: str) -> Callable[..., Any]:
     """A kernel of monarch.runtime.engine.checkpoint, which loads torch.distributed.checkpoint (about 1 s)
     when a checkpoint first needs it."""
@@ -186,7 +144,9 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "monarch::local_map": local_map, "monarch::local_map_backward": local_map_backward,
     "monarch::matmul": torch.matmul, "monarch::refused": refused,
     "monarch::linear": torch.nn.functional.linear, "monarch::linear_weight_grad": linear_weight_grad,
-    "monarch::rdma_export": rdma_export, "monarch::rdma_pull": rdma_pull,
+    "monarch::rdma_export": crossmesh.export, "monarch::rdma_pull": crossmesh.pull,
+    "monarch::stage_create": crossmesh.stage_create, "monarch::stage_out": crossmesh.stage_out,
+    "monarch::stage_in": crossmesh.stage_in,
     **{f"monarch::dcp_{name}": _checkpoint(name) for name in (
         "write", "wait", "finish", "abort", "metadata", "read", "rng_state", "set_rng_state")},
 }

@@ -28,7 +28,7 @@ from monarch.graph.trace import Capture
 from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.session.guards import CONSTANTS, Watch, capturable_on_cpu, known_optimizers, make_capturable
-from monarch.runtime.session.installed import FromArgument, FromGrad, FromState, Input, InstalledStep, Kept, \
+from monarch.runtime.session.installed import FromArgument, FromGrad, FromState, Input, InstalledStep, Joint, Kept, \
     KeptGrad, feeds
 from monarch.runtime.session.local import LocalMesh
 from monarch.runtime.session.session import Session, all_sessions, session_of
@@ -46,7 +46,7 @@ class CompiledStep:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.cache: dict[Any, list[InstalledStep]] = {}  # signature -> programs, newest last, with their guards
+        self.cache: dict[Any, list[InstalledStep | Joint]] = {}  # signature -> programs, newest last
         self.traces = 0
         functools.update_wrapper(self, fn)
 
@@ -61,10 +61,10 @@ class CompiledStep:
             if why is None:
                 fit = program.fit(flat)
                 if fit.why is None:
-                    return program.run(flat, fit.reads)
+                    return program.run(flat, fit)
                 why = fit.why
                 programs.remove(program)  # an input is gone or placed anew: it never fits again
-                program.session.forget(program.pid)
+                program.forget()
         log.debug("monarch.compile: tracing %s (%s)", _name(self.fn), why)
         reached = near(self.fn, flat)
         for opt in known_optimizers(reached):
@@ -73,20 +73,23 @@ class CompiledStep:
         program, result = self._trace(args, kwargs, flat, home(reached))
         if program is not None:
             for old in programs[:len(programs) + 1 - _KEEP]:  # the oldest, beyond _KEEP: uninstalled
-                old.session.forget(old.pid)
+                old.forget()
             programs[:] = [*programs[1 - _KEEP:], program]
         return result
 
-    def _trace(self, args: tuple, kwargs: dict, flat: list[Any], target: Session) -> tuple[InstalledStep | None, Any]:
+    def _trace(self, args: tuple, kwargs: dict, flat: list[Any], target: Session
+               ) -> tuple[InstalledStep | Joint | None, Any]:
         """Run the step while recording. Plain tensor arguments enter as replicated MeshTensors that
-        each call fills (the step's own code then shards them, e.g. data_parallel's input hook). No
+        each call fills (the step's own code then shards them, e.g. data_parallel's input hook). A step that
+        moves tensors to other meshes (to_mesh) records on each and installs one program per mesh. No
         program is kept when the step met an Adam whose step counts were still on the controller."""
-        if target.tracer.n_ops:
-            target.flush()
         sessions = list(all_sessions())
+        for s in sessions:  # work recorded before the call runs first (other proc meshes: the step may move there)
+            if s.tracer.n_ops and (s is target or isinstance(s.mesh, ProcMesh) and s.live):
+                s.flush()
         fed = [target.tracer.feed(_replicated(t, target), i) if _plain(t) else t for i, t in enumerate(flat)]
         args, kwargs = pytree.tree_unflatten(fed, pytree.tree_flatten((args, kwargs))[1])
-        watch = Watch(feed=lambda get: target.tracer.feed(_scalar(target), get))
+        watch = Watch(feed=functools.partial(_feed, target))
         captures = {s: Capture(on_input=watch.input) for s in sessions}
         before = {s: s.tracer.epoch for s in sessions}
         for s in sessions:
@@ -97,16 +100,34 @@ class CompiledStep:
         finally:
             for s in sessions:
                 s.capturing, s.tracer.capture = False, None
-        used = [s for s in sessions if s.tracer.epoch != before[s]]
-        if used != [target]:
-            raise TraceError(f"a monarch.compile'd step must compute on one mesh, that of its arguments, "
-                             f"parameters or optimizer; {_name(self.fn)} used {[s.mesh for s in used]}")
+        used = [s for s in sessions if s.tracer.epoch != before[s]] or [target]
+        returned, spec = pytree.tree_flatten(result)
+        if not all(isinstance(t, MeshTensor) for t in returned):
+            raise TraceError("a monarch.compile'd step may return only MeshTensors (or nested lists, tuples and "
+                             "dicts of them); return plain values from outside the step")
         self.traces += 1
-        program, result = install(target, captures[target], result, flat, watch)
+        if len(used) == 1:
+            program: InstalledStep | Joint = install(used[0], captures[used[0]], returned, spec, flat, watch)
+        else:  # each mesh's program returns a flat list of the results that live there
+            mine = [[t for t in returned if t._backend is s] for s in used]
+            program = Joint(tuple(install(s, captures[s], m, pytree.tree_flatten(m)[1], flat, watch)
+                                  for s, m in zip(used, mine, strict=True)), _places(returned, used), spec)
         watch.refuse_changes(_name(self.fn))  # after the call ran: its MeshTensors are consistent
         for opt in watch.unconverted:
             make_capturable(opt)
         return (None if watch.unconverted else program), result
+
+
+def _places(returned: list[MeshTensor], used: list[Session]) -> tuple[tuple[int, int], ...]:
+    """For each returned tensor: the program (of `used`) that returns it, and its position among that
+    program's results."""
+    counts = [0] * len(used)
+    places = []
+    for t in returned:
+        part = next(i for i, s in enumerate(used) if s is t._backend)
+        places.append((part, counts[part]))
+        counts[part] += 1
+    return tuple(places)
 
 
 _KEEP = 8  # programs kept per signature (one per state the step met: gradients set or not, hyperparameters)
@@ -114,6 +135,13 @@ _KEEP = 8  # programs kept per signature (one per state the step met: gradients 
 
 def _name(fn: Callable[..., Any]) -> str:
     return str(getattr(fn, "__qualname__", fn))
+
+
+def _feed(target: Session, get: Callable[[], torch.Tensor], near: torch.Tensor) -> MeshTensor:
+    """A per-call scalar input of the step (an optimizer's hyperparameter), on the mesh of `near`, the
+    parameter it meets (`target`'s when that is not a MeshTensor)."""
+    s = near._backend if isinstance(near, MeshTensor) and isinstance(near._backend, Session) else target
+    return s.tracer.feed(_scalar(s), get)
 
 
 def _plain(t: Any) -> bool:
@@ -148,21 +176,19 @@ def home(near: list[Any]) -> Session:
                      "use modules or optimizers whose parameters are MeshTensors")
 
 
-def install(s: Session, cap: Capture, result: Any, flat: list[Any], watch: Watch) -> tuple[InstalledStep, Any]:
-    """Close the recorded graph, install it as a program and run it for this call."""
-    returned, spec = pytree.tree_flatten(result)
-    if not all(isinstance(t, MeshTensor) for t in returned):
-        raise TraceError("a monarch.compile'd step may return only MeshTensors (or nested lists, tuples and "
-                         "dicts of them); return plain values from outside the step")
+def install(s: Session, cap: Capture, returned: list[MeshTensor], spec: pytree.TreeSpec, flat: list[Any],
+            watch: Watch) -> InstalledStep:
+    """Close the graph recorded on `s`'s mesh, install it as a program and run it for this call; `returned`:
+    the step's results that live there, put together as `spec` says."""
     traced = s.tracer.take()
     programs = partition(traced)
     if config.bucket_bytes() > 0:
         programs = overlap(programs, config.bucket_bytes())
     nodes = list(traced.graph.nodes)
     produced = {i for n in nodes if n.op != "placeholder" for i in n.meta["ids"]}
-    slots = {t._handle.id: i for i, t in enumerate(flat) if isinstance(t, MeshTensor)}
+    slots = {t._handle.id: i for i, t in enumerate(flat) if isinstance(t, MeshTensor) and t._backend is s}
     arguments = {id(t) for t in flat}
-    params = [p for p, _ in watch.grads.values() if id(p) not in arguments]
+    params = [p for p, _ in watch.grads.values() if id(p) not in arguments and p._backend is s]
     owners = {id(g): p for p, g in watch.grads.values() if g is not None and id(p) not in arguments}
     owners.update((id(p.grad), p) for p in params if p.grad is not None)
     inputs = tuple(_input(i, slots, cap.sources[i], n.meta["specs"][0], owners)
@@ -182,7 +208,7 @@ def install(s: Session, cap: Capture, result: Any, flat: list[Any], watch: Watch
     s.invoke(InvokeProgram(program.pid, same, outs, feeds(fed, flat, salt)), programs)
     # buffers released while tracing live outside the program's own namespace: free them after it ran
     s.tracer.released.extend(i for i in traced.released if i not in produced)
-    return program, result
+    return program
 
 
 def kept(cap: Capture, params: list[MeshTensor], produced: set[int], returned: set[int]) -> tuple[Kept | KeptGrad, ...]:

@@ -2,13 +2,17 @@
 of another, redistributing on the way, never through the controller; differentiable (the gradient goes back
 to the source mesh, placed as the source was).
 
-The source ranks register their pieces (`monarch::rdma_export`, Partial dims reduced first) and answer with
-small handles; the plan (`plan`) gives each destination rank the byte ranges of the source pieces that
-overlap its own piece, one replica of each spread over the readers; the destination ranks read them one-sided
-(`monarch::rdma_pull`) and the source pieces are unregistered once every read is done.
+The plan (`plan`) gives each destination rank the byte ranges of the source pieces (Partial dims reduced
+first) that overlap its own piece, one replica of each spread over the readers. Eagerly, the source ranks
+register their pieces (`monarch::rdma_export`) and answer with small handles, the destination ranks read them
+one-sided (`monarch::rdma_pull`), and the pieces are unregistered once every read is done. While a compiled
+step is recorded, each source rank registers a stage now (`run_aside`), the source program fills it every
+call and the destination program reads it (engine/crossmesh.py), so the step replays with no controller in
+between.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -29,9 +33,15 @@ Box = tuple[tuple[int, int], ...]  # (start, length) per tensor dim
 class Side(Protocol):
     """What a move needs of the sessions of both meshes (session.Session)."""
     abstract: Extent
+    capturing: bool
 
     def on_ranks(self, op: str, args_of: Callable[[int, tuple[int, ...]], tuple], ins: Sequence[MeshTensor] = (),
                  specs: Sequence[Spec | None] = (None,)) -> list[MeshTensor]: ...
+
+    def record_on_ranks(self, op: str, args_of: Callable[[int, tuple[int, ...]], tuple],
+                        ins: Sequence[MeshTensor] = (), specs: Sequence[Spec | None] = (None,)) -> list[MeshTensor]: ...
+
+    def run_aside(self, op: str, args_of: Callable[[int, tuple[int, ...]], tuple]) -> list[Any]: ...
 
     def values(self, handle: MeshTensor) -> Future[list[Any]]: ...
 
@@ -83,20 +93,47 @@ def move(src: Side, dst: Side, t: MeshTensor, placements: PlacementsArg) -> Mesh
     whole = tuple(Replicate() if isinstance(p, Partial) else p for p in target)
     reduced = tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
     source = cast(MeshTensor, t.detach()).redistribute(reduced)
+    out = Spec(tuple(t.shape), tuple(source._spec.stride), t.dtype, whole, dst.abstract)
+    src_coords = list(src.abstract.coords())
+    plans = [plan(source._spec, src_coords, out, c, n) for n, c in enumerate(dst.abstract.coords())]
+    moved = (_staged if src.capturing else _pulled)(src, dst, source, out, plans)
+    return moved if whole == target else moved.redistribute(target)
+
+
+def _pulled(src: Side, dst: Side, source: MeshTensor, out: Spec, plans: list[list[Read]]) -> MeshTensor:
+    """Eagerly: the source pieces registered for now, read, then unregistered."""
     exported = src.on_ranks("monarch::rdma_export", _no_args, ins=(source,), specs=(None,))[0]
     handles = src.values(exported).get()
-    out_spec = Spec(tuple(t.shape), tuple(source._spec.stride), t.dtype, whole, dst.abstract)
-    src_coords = list(src.abstract.coords())
-    dst_index = {c: n for n, c in enumerate(dst.abstract.coords())}
 
-    def reads_of(_: int, coords: tuple[int, ...]) -> tuple:
-        reads = plan(source._spec, src_coords, out_spec, coords, dst_index[coords])
-        return (out_spec.local_shape(coords), t.dtype, tuple(r.wire(handles[r.source]) for r in reads))
-    moved = dst.on_ranks("monarch::rdma_pull", reads_of, specs=(out_spec,))[0]
+    def reads_of(n: int, coords: tuple[int, ...]) -> tuple:
+        return (out.local_shape(coords), out.dtype, tuple(r.wire(handles[r.source]) for r in plans[n]))
+    moved = dst.on_ranks("monarch::rdma_pull", reads_of, specs=(out,))[0]
     dst.synchronize()
     del exported  # every read is done: the source pieces are unregistered with the source's next program
     src.flush()
-    return moved if whole == target else moved.redistribute(target)
+    return moved
+
+
+def _staged(src: Side, dst: Side, source: MeshTensor, out: Spec, plans: list[list[Read]]) -> MeshTensor:
+    """While a compiled step is recorded: a stage per source rank, registered now and kept, which every call
+    of the step fills (source program) and reads (destination program)."""
+    site = next(_sites)
+    coords = list(src.abstract.coords())
+    readers = [[n for n, reads in enumerate(plans) if any(r.source == i for r in reads)] for i in range(len(coords))]
+    nbytes = [prod(source._spec.local_shape(c)) * out.dtype.itemsize for c in coords]
+    handles = src.run_aside("monarch::stage_create", lambda i, _: (site, nbytes[i], len(readers[i])))
+    src.record_on_ranks("monarch::stage_out", lambda *_: (site,), ins=(source,), specs=())
+
+    def sources_of(n: int, coords: tuple[int, ...]) -> tuple:
+        by_source: dict[int, list[tuple]] = {}
+        for r in plans[n]:
+            by_source.setdefault(r.source, []).append(r.wire(handles[r.source]))
+        return (out.local_shape(coords), out.dtype, site, tuple(
+            (handles[i], len(readers[i]), readers[i].index(n), tuple(reads)) for i, reads in by_source.items()))
+    return dst.record_on_ranks("monarch::stage_in", sources_of, specs=(out,))[0]
+
+
+_sites = itertools.count(1)  # crossings recorded in compiled steps, numbered for the workers' stages
 
 
 def _no_args(_: int, __: tuple[int, ...]) -> tuple:

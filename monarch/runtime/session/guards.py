@@ -124,7 +124,8 @@ class Watch:
     """Records, while a step is traced, the state it reads (at first sight): `input` is the tracer's
     callback for MeshTensors read from outside the step; leaves that need gradients are parameters, and
     whether backward accumulates into their `.grad` or makes a fresh one depends on it being None."""
-    feed: Callable[[Callable[[], torch.Tensor]], MeshTensor] | None = None  # a per-call input of the step
+    # a per-call input of the step, placed on the mesh of the tensor it meets (a parameter of the group)
+    feed: Callable[[Callable[[], torch.Tensor], torch.Tensor], MeshTensor] | None = None
     optimizers: dict[int, tuple[torch.optim.Optimizer, Any, Any]] = field(default_factory=dict)
     lent: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)  # hyperparameters fed now
     modules: dict[int, tuple[torch.nn.Module, Any]] = field(default_factory=dict)
@@ -153,7 +154,7 @@ class Watch:
 
     def _fed(self, group: dict[str, Any], key: str) -> MeshTensor:
         assert self.feed is not None
-        return self.feed(functools.partial(_hyper, group, key))
+        return self.feed(functools.partial(_hyper, group, key), group["params"][0])
 
     def _stepped(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         for g, k, v in self.lent:

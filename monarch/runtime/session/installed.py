@@ -112,9 +112,10 @@ class Settled:
 @dataclass(frozen=True)
 class Fit:
     """Whether an installed step fits a call: why not, or (when `why` is None) the (placeholder id, buffer
-    id) pairs of the buffers the call reads."""
+    id) pairs of the buffers the call reads; for a Joint, each program's fit."""
     reads: tuple[tuple[int, int], ...] = ()
     why: str | None = None
+    parts: tuple[Fit, ...] = ()
 
 
 @dataclass
@@ -152,7 +153,12 @@ class InstalledStep:
             inputs.append((i.id, t._handle.id))
         return Fit(tuple(inputs))
 
-    def run(self, flat: list[Any], inputs: tuple[tuple[int, int], ...]) -> Any:
+    def forget(self) -> None:
+        """It will not run again: the workers drop it with the next call."""
+        self.session.forget(self.pid)
+
+    def run(self, flat: list[Any], fit: Fit) -> Any:
+        inputs = fit.reads
         s = self.session
         if s.tracer.n_ops:
             s.flush()  # work recorded between calls runs first
@@ -189,6 +195,33 @@ class InstalledStep:
             else:
                 moved.append((k, new))
         return tuple(outputs), moved
+
+
+@dataclass
+class Joint:
+    """A compiled step that moves tensors between meshes (to_mesh): one installed program per mesh, sent
+    together each call (each waits on its workers for the other's pieces). `places`: for each returned tensor,
+    the program returning it and its position among that program's results."""
+    parts: tuple[InstalledStep, ...]
+    places: tuple[tuple[int, int], ...]
+    spec: pytree.TreeSpec
+
+    @property
+    def guards(self) -> Guards:
+        return self.parts[0].guards  # one recording: the same Python state for every program
+
+    def fit(self, flat: list[Any]) -> Fit:
+        fits = tuple(p.fit(flat) for p in self.parts)
+        why = next((f.why for f in fits if f.why is not None), None)
+        return Fit(why=why, parts=fits)
+
+    def run(self, flat: list[Any], fit: Fit) -> Any:
+        results = [part.run(flat, f) for part, f in zip(self.parts, fit.parts, strict=True)]
+        return pytree.tree_unflatten([results[p][k] for p, k in self.places], self.spec)
+
+    def forget(self) -> None:
+        for part in self.parts:
+            part.forget()
 
 
 def feeds(slots: tuple[tuple[int, Any], ...], flat: list[Any], salt: int | None) -> tuple[tuple[int, Any], ...]:

@@ -115,8 +115,13 @@ class Session:
         return self.tracer.wrap(node.meta["specs"][0], node, id)
 
     def to_mesh(self, t: MeshTensor, mesh: MeshLike, placements: PlacementsArg) -> MeshTensor:
-        self._sync_point("t.to_mesh(other mesh)")
-        return crossmesh.to_mesh(self, session_of(mesh), t, placements)
+        other = session_of(mesh)
+        if self.capturing and other is not self and not _apart(self.mesh, mesh):
+            raise TraceError(f"to_mesh from {self.mesh!r} to {mesh!r} inside a monarch.compile'd step needs two meshes "
+                             "of proc meshes with no process in common (each mesh's program waits for the other's "
+                             "piece); call it outside the step, or use disjoint meshes (e.g. procs.slice(stage=0) "
+                             "and procs.slice(stage=1))")
+        return crossmesh.to_mesh(self, other, t, placements)
 
     def fetch(self, t: MeshTensor) -> Future[torch.Tensor]:
         """Partial dims are reduced on the workers; each distinct shard then comes to the controller."""
@@ -131,6 +136,11 @@ class Session:
         `ins`; it returns one result per spec: a piece placed as the spec, or (None) any picklable value,
         held by the returned handle until `values` fetches it."""
         self._sync_point(f"{op} (a checkpoint step)")
+        return self.record_on_ranks(op, args_of, ins, specs)
+
+    def record_on_ranks(self, op: str, args_of: Callable[[int, tuple[int, ...]], tuple],
+                        ins: Sequence[MeshTensor] = (), specs: Sequence[Spec | None] = (None,)) -> list[MeshTensor]:
+        """`on_ranks`, also while a compiled step is recorded (its results are not read on the controller)."""
         srcs = [self.tracer.moved(t, t._spec) for t in ins]
         bufs = tuple(Buf(i) for _, i in srcs)
         index = {c: n for n, c in enumerate(self.abstract.coords())}
@@ -141,6 +151,19 @@ class Session:
             return [Local(op, (*args_of(index[ctx.coords], ctx.coords), *bufs), {}, ctx.out_ids)]
         node, ids = self.tracer.node(_target(op), tuple(n for n, _ in srcs), out_specs, make)
         return [self.tracer.wrap(spec, node, i) for spec, i in zip(out_specs, ids, strict=True)]
+
+    def run_aside(self, op: str, args_of: Callable[[int, tuple[int, ...]], tuple]) -> list[Any]:
+        """Kernel `op` on every rank now, outside the graph (also while a compiled step is recorded: its
+        setup), called with `args_of(rank index, coords)`; each rank's value, in rank order."""
+        id = next(self.tracer.ids)
+        programs = tuple(RankProgram(c, (Local(op, args_of(i, c), {}, (id,)),))
+                         for i, c in enumerate(self.abstract.coords()))
+        fetch = Values(id, self.value_spec(), tuple(range(len(programs))))
+        state = self.runner.run(programs, fetch, True)
+        assert state is not None
+        values = Future(state, self.runner.waiter, fetch.assemble).get()
+        self.tracer.released.append(id)
+        return values
 
     def value_spec(self) -> Spec:
         """The spec of a buffer holding any Python value on each rank (a kernel's result, never fetched as
@@ -278,6 +301,13 @@ class RemoteRunner:
             frames = {r: codec.encode_frame([installs[r], call]) for r in ranks}
         controller().send_each(self.procs.mesh_id, frames, 0, None,
                                "a call of a monarch.compile'd step (its program or plain tensor arguments)")
+
+
+def _apart(a: MeshLike, b: MeshLike) -> bool:
+    """Whether two meshes are views of proc meshes that share no worker process."""
+    if not isinstance(a, ProcMesh) or not isinstance(b, ProcMesh):
+        return False
+    return a.mesh_id != b.mesh_id or not set(a.mesh_shape.ranks()) & set(b.mesh_shape.ranks())
 
 
 def _cut(programs: tuple[RankProgram, ...], start: int, stop: int | None) -> tuple[RankProgram, ...]:

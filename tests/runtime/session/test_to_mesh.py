@@ -1,10 +1,12 @@
 """t.to_mesh(other, placements) between real meshes: values equal the source tensor for every pair of source
 and target placements (uneven and empty pieces, Partial on either side), the destination runs no collective
 (the source reduces its Partial dims, one all_reduce each), gradients go back to the source mesh, slices of
-one proc mesh (pipeline stages) move as two meshes do, and the move is much faster than through the controller.
+one proc mesh (pipeline stages) move as two meshes do, a compiled step spanning two meshes is recorded once and
+follows plain torch, and the move is much faster than through the controller.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 
@@ -86,14 +88,50 @@ def test_pipeline_stages_are_slices_of_one_mesh() -> None:
         assert torch.allclose(out.full_tensor(timeout=T), x * 2 + 1)
 
 
-def test_inside_a_compiled_step_it_names_the_limit(meshes: tuple[ProcMesh, ProcMesh]) -> None:
+def test_a_compiled_step_across_two_meshes_is_recorded_once_and_equals_torch(
+        meshes: tuple[ProcMesh, ProcMesh]) -> None:
+    """Forward on one mesh, to_mesh, forward and loss on the other, backward through the move, both optimizers:
+    one program per mesh, replayed; the values follow plain torch call after call."""
     a, b = meshes
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+    plain = [copy.deepcopy(first), copy.deepcopy(second)]
+    m0, m1 = monarch.parallelize_module(first, a, {}), monarch.parallelize_module(second, b, {})
+    opts = [torch.optim.AdamW(m0.parameters(), lr=0.05), torch.optim.SGD(m1.parameters(), lr=0.1, momentum=0.9)]
+    refs = [torch.optim.AdamW(plain[0].parameters(), lr=0.05),
+            torch.optim.SGD(plain[1].parameters(), lr=0.1, momentum=0.9)]
+
+    def step(model: list[torch.nn.Module], optims: list[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor,
+             to: ProcMesh | None) -> torch.Tensor:
+        h = torch.tanh(model[0](x))
+        h = h.to_mesh(to, {"x": Shard(0)}) if to is not None else h
+        loss = torch.nn.functional.mse_loss(model[1](h), y)
+        loss.backward()
+        for o in optims:
+            o.step()
+            o.zero_grad()
+        return loss
+    compiled = monarch.compile(lambda x, y: step([m0, m1], opts, x, y, b))
+    for _ in range(4):
+        x, y = torch.randn(8, 6), torch.randn(8, 3)
+        got = compiled(monarch.distribute_tensor(x, a, {"dp": Shard(0)}),
+                       monarch.distribute_tensor(y, b, {"x": Shard(0)}))
+        want = step(plain, refs, x, y, None)
+        assert got.mesh is b and abs(got.item() - want.item()) < 1e-5
+    assert compiled.traces == 2  # the first call moves AdamW's step counts to the mesh; later ones replay
+    for mine, theirs in zip([*m0.parameters(), *m1.parameters()], [*plain[0].parameters(), *plain[1].parameters()],
+                            strict=True):
+        assert torch.allclose(mine.full_tensor(timeout=T), theirs, atol=1e-5)
+
+
+def test_inside_a_compiled_step_meshes_must_not_share_processes(meshes: tuple[ProcMesh, ProcMesh]) -> None:
+    a, _ = meshes
     t = monarch.distribute_tensor(torch.ones(4), a, {"dp": Shard(0)})
 
     @monarch.compile
     def step(u: torch.Tensor) -> torch.Tensor:
-        return u.to_mesh(b) * 2
-    with pytest.raises(TraceError, match="to_mesh"):
+        return u.to_mesh(a.slice(dp=1)) * 2
+    with pytest.raises(TraceError, match="no process in common"):
         step(t)
 
 
