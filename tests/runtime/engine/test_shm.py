@@ -125,6 +125,18 @@ def test_redistributions_of_every_dtype_are_exact(meshes: tuple[ProcMesh, ProcMe
     assert transports(auto, since) <= {"shm"} and transports(mpi, since) <= {"mpi"}
 
 
+def test_a_first_collective_of_empty_pieces() -> None:
+    """A group's first collective may move nothing (an empty tensor): its segment is still made, and every
+    kind of redistribution of empty tensors keeps the (empty) value."""
+    with this_host().spawn_procs(per_host={"dp": 2, "tp": 2}) as procs:
+        for shape, placements in [((0, 3), {"tp": Shard(0)}), ((0, 3), {"dp": Shard(0), "tp": Shard(0)}),
+                                  ((2, 0), {"tp": Shard(1)})]:
+            x = torch.randn(shape)
+            t = monarch.distribute_tensor(x, procs, placements)
+            assert t.redistribute({}).full_tensor(timeout=T).shape == shape
+            assert t.redistribute({"dp": Shard(1)}).full_tensor(timeout=T).shape == shape
+
+
 def test_large_collectives_go_by_cross_memory_attach(meshes: tuple[ProcMesh, ProcMesh]) -> None:
     """Collectives of ATTACH_BYTES and more, uneven pieces: all_reduce, all_gather, reduce_scatter on the auto mesh."""
     auto = meshes[0]

@@ -53,7 +53,7 @@ class Segment:
         if self.win is not None and nbytes <= self.size:
             return
         self.free()
-        size = -(-max(nbytes, 2 * self.size) // ALIGN) * ALIGN
+        size = -(-max(nbytes, 2 * self.size, 1) // ALIGN) * ALIGN  # never empty: a collective of empty pieces
         self.win = MPI.Win.Allocate_shared(size, 1, comm=self.comm)
         self.slots = [torch.frombuffer(self.win.Shared_query(r)[0], dtype=torch.uint8, count=size)
                       for r in range(self.comm.Get_size())]
