@@ -59,6 +59,9 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "worker`); agents keep it out of what they start"),
     Flag("MONARCH_ATTACH_SECRET_FILE", "", "attach mode: a file holding that secret, read when "
          "MONARCH_ATTACH_SECRET is unset (Kubernetes pods mount it from a Secret)"),
+    Flag("MONARCH_ATTACH_BYTES", str(32 << 20), "collectives within a host whose largest tensor has this many bytes "
+         "or more read each other's memory by cross-memory attach (one copy); smaller ones go through a shared "
+         "segment, whose two copies stay in cache"),
     Flag("MONARCH_RDMA_BACKEND", "auto", "one-sided transfers (monarch.rdma, to_mesh): auto picks ibverbs where both "
          "ends have an RDMA device, shm (cross-memory attach) between processes of one host, mpi (MPI RMA windows) "
          "between workers of two hosts where UCX has an RDMA transport, else tcp; or force one"),
@@ -232,6 +235,10 @@ def query_timeout() -> float:
 def max_local_procs() -> int:
     """MONARCH_MAX_LOCAL_PROCS, else 16 worker processes per core of this host."""
     return _int("MONARCH_MAX_LOCAL_PROCS") if _str("MONARCH_MAX_LOCAL_PROCS").strip() else 16 * (os.cpu_count() or 1)
+
+
+def attach_bytes() -> int:
+    return _int("MONARCH_ATTACH_BYTES")
 
 
 def rdma_backend() -> str:

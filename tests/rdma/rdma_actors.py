@@ -10,6 +10,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from unittest import mock
 
 import torch
 
@@ -22,21 +23,14 @@ T = 30.0  # seconds: generous bound for every wait
 
 @contextmanager
 def backend(name: str | None, allow_tcp: str | None = None) -> Iterator[None]:
-    """MONARCH_RDMA_BACKEND (and MONARCH_RDMA_ALLOW_TCP_FALLBACK) in this process for the block."""
-    saved = {k: os.environ.get(k) for k in ("MONARCH_RDMA_BACKEND", "MONARCH_RDMA_ALLOW_TCP_FALLBACK")}
-    for k, v in (("MONARCH_RDMA_BACKEND", name), ("MONARCH_RDMA_ALLOW_TCP_FALLBACK", allow_tcp)):
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
+    """MONARCH_RDMA_BACKEND (and MONARCH_RDMA_ALLOW_TCP_FALLBACK) in this process for the block (None: unset)."""
+    with mock.patch.dict(os.environ):
+        for k, v in (("MONARCH_RDMA_BACKEND", name), ("MONARCH_RDMA_ALLOW_TCP_FALLBACK", allow_tcp)):
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        yield
 
 
 class Owner(Actor):

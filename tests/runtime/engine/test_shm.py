@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from strategies import Program, placement_tuples, programs, run_program, tensor_shapes
 
 import monarch
+from monarch import config
 from monarch import Replicate, Shard
 from monarch.actor import Actor, ProcMesh, endpoint, this_host
 from monarch.errors import SupervisionError
-from monarch.runtime.engine.transport.shm import ATTACH_BYTES
 
 T = 60.0
 CHECK = Path(__file__).with_name("transport_check.py")
@@ -138,10 +138,11 @@ def test_a_first_collective_of_empty_pieces() -> None:
 
 
 def test_large_collectives_go_by_cross_memory_attach(meshes: tuple[ProcMesh, ProcMesh]) -> None:
-    """Collectives of ATTACH_BYTES and more, uneven pieces: all_reduce, all_gather, reduce_scatter on the auto mesh."""
+    """Collectives of MONARCH_ATTACH_BYTES and more, uneven pieces: all_reduce, all_gather, reduce_scatter on the
+    auto mesh."""
     auto = meshes[0]
     dim, k = next(iter(auto.extent.items()))
-    n = ATTACH_BYTES // 4 + 3
+    n = config.attach_bytes() // 4 + 3
     x = integral((k, n), torch.float32, 0)
     since = now_us()
     part = monarch.distribute_tensor(x, auto, {dim: Shard(0)}).sum(0)  # Partial over `dim`
@@ -193,7 +194,7 @@ class Sleeper(Actor):
         time.sleep(seconds)
 
 
-@pytest.mark.parametrize("n", [1 << 16, ATTACH_BYTES // 4], ids=["segment", "attach"])
+@pytest.mark.parametrize("n", [1 << 16, config.attach_bytes() // 4], ids=["segment", "attach"])
 def test_rank_killed_mid_collective_fails_the_mesh(n: int) -> None:
     """Rank 1 is held in an actor call while rank 0 enters an all_reduce of n floats and waits for it; rank 1
     is killed."""

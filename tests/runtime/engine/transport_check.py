@@ -17,9 +17,10 @@ from mpi4py import MPI
 
 from monarch.program.instr import Comm, Start
 from monarch.runtime.engine.transport.mpi import MpiTransport
+from monarch import config
 from monarch.runtime.engine.transport import attach
 from monarch.runtime.engine.transport.attach import Peers
-from monarch.runtime.engine.transport.shm import ATTACH_BYTES, Segment, ShmTransport
+from monarch.runtime.engine.transport.shm import Segment, ShmTransport
 from monarch.tensor.placement import chunk
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64]
@@ -104,7 +105,7 @@ def main(seed: int, n: int, refused: bool) -> None:
         refuse_cross_memory_reads()
     shm = ShmTransport(lambda mdim: mpi.comm_for(ranks))
     peers = shm.group(0)[1]
-    assert (peers is None) == refused and isinstance(shm.way(0, ATTACH_BYTES), Segment if refused else Peers)
+    assert (peers is None) == refused and isinstance(shm.way(0, config.attach_bytes()), Segment if refused else Peers)
     ways: dict[str, Way] = {"mpi": lambda ins, x, owned: mpi.start(ins, x)() if isinstance(ins, Start) else
                             mpi(ins, x, owned),
                             "shm": lambda ins, x, owned: shm.start(ins, x)() if isinstance(ins, Start) else

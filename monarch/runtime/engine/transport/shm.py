@@ -1,5 +1,5 @@
 """Collectives between the ranks of one host: through a shared-memory segment per group (MPI-3 shared windows),
-and from ATTACH_BYTES on by cross-memory attach (attach.py) where the kernel lets the members read each other's
+and from MONARCH_ATTACH_BYTES on by cross-memory attach (attach.py) where the kernel lets the members read each other's
 memory (probed once per group; where it does not, said once on stderr).
 
 With a segment, each member owns a slot of its group's segment and sees every slot as a torch view. A collective writes
@@ -18,6 +18,7 @@ from math import prod
 import torch
 from mpi4py import MPI
 
+from monarch import config
 from monarch.program.instr import Comm, Start
 from monarch.runtime.engine.transport import attach
 from monarch.runtime.engine.transport.attach import Peers
@@ -27,8 +28,6 @@ from monarch.runtime.engine.transport.registry import allow_cross_memory_readers
 from monarch.tensor.placement import chunk
 
 ALIGN = 4096  # slot sizes are multiples of a page: every slot starts aligned for any dtype
-ATTACH_BYTES = 32 << 20  # a collective whose largest tensor is this big goes by cross-memory attach: its one copy
-# then beats the segment's two, whose copies below it stay in cache while process_vm_readv pins every page
 
 
 def shares_memory(comm: MPI.Intracomm) -> bool:
@@ -77,6 +76,9 @@ class ShmTransport:
     def __init__(self, comm_of: Callable[[int], MPI.Intracomm]) -> None:
         self.comm_of = comm_of
         self._groups: dict[int, tuple[Segment, Peers | None]] = {}  # by communicator handle
+        # from this size a collective's one copy by cross-memory attach beats the segment's two, whose copies
+        # below it stay in cache while process_vm_readv pins every page
+        self.attach_bytes = config.attach_bytes()
         allow_cross_memory_readers()
 
     def name(self, mdim: int) -> str:
@@ -96,7 +98,7 @@ class ShmTransport:
     def way(self, mdim: int, nbytes: int) -> Segment | Peers:
         """How a collective whose largest tensor has `nbytes` runs (the same on every member)."""
         seg, peers = self.group(mdim)
-        return peers if peers is not None and nbytes >= ATTACH_BYTES else seg
+        return peers if peers is not None and nbytes >= self.attach_bytes else seg
 
     def __call__(self, ins: Comm, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
         sizes = [prod(s) for s in ins.shapes]
