@@ -191,9 +191,10 @@ def token_script(directory: str, ranks: str) -> str:
 
 
 # glibc: tensors up to 1 GiB come from the heap, and freed ones stay there for the next (instead of an mmap each,
-# whose fresh pages all fault on first write: on a VM that costs more than the collective that fills them);
-# torch: large CPU tensors on transparent huge pages (512x fewer faults, and cross-memory attach pins 2 MiB pages)
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 36), "THP_MEM_ALLOC_ENABLE": "1"}
+# whose fresh pages all fault on first write: on a VM that costs more than the collective that fills them).
+# (torch's THP_MEM_ALLOC_ENABLE=1 is not set: on this kind of VM its first huge-page faults made a 64 MiB
+# all_reduce 10x slower for several calls, and at 4 ranks on 2 cores for good)
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
 def worker_env(extra: dict[str, str] | None) -> dict[str, str]:
