@@ -2,8 +2,9 @@
 # make test: create/update .venv, run the whole test suite but the cluster and data-plane tiers.
 # make test-dataplane: the data-plane tier (marked `dataplane`): one-sided transfers (monarch.rdma), to_mesh and
 #   its examples, shared-memory collectives.
-# make test-cluster: the cluster tier (tests/cluster): meshes across test hosts made of network namespaces
-#   with a real sshd and Slurm (needs root and .ci/cluster-packages; skips with one line otherwise).
+# make test-cluster: the cluster tier (tests/cluster): the launchers (attach agents, Kubernetes manifests) and
+#   meshes across test hosts made of network namespaces with a real sshd and Slurm (those need root and
+#   .ci/cluster-packages; they skip with one line otherwise).
 VENV   ?= .venv
 PYTHON ?= python3
 PY     := $(VENV)/bin/python
