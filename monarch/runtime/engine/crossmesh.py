@@ -90,7 +90,7 @@ class Stage:
 
 
 STAGES: dict[int, Stage] = {}  # by crossing site
-_CALLS: dict[int, int] = {}  # by crossing site: the calls this rank has read
+_SEEN: dict[tuple[int, int], int] = {}  # (crossing site, source): the sequence number this rank read last
 
 
 def stage_create(site: int, nbytes: int, readers: int) -> tuple[Handle]:
@@ -107,15 +107,17 @@ def stage_out(site: int, x: torch.Tensor) -> tuple[()]:
 def stage_in(shape: tuple[int, ...], dtype: torch.dtype, site: int,
              sources: tuple[tuple[Handle, int, int, tuple[Read, ...]], ...]) -> torch.Tensor:
     """This rank's piece of crossing `site`: from each source stage (handle, its readers, this rank's
-    acknowledgement slot, the reads), once it holds this call's data; then the acknowledgement."""
-    seq = _CALLS[site] = _CALLS.get(site, 0) + 1
+    acknowledgement slot, the reads), once it holds data newer than what this rank read last; then the
+    acknowledgement. (A source whose program failed before its stage fails this call after the wait, and the
+    next call finds the two in step again.)"""
     out = torch.empty(shape, dtype=dtype)
     word = torch.zeros(1, dtype=torch.int64)
     timeout = config.rdma_timeout()
-    for handle, readers, slot, reads in sources:
-        _until(lambda h=handle: _word(h, 0, word, timeout) >= seq, f"call {seq}'s piece from {handle.owner}")
+    for i, (handle, readers, slot, reads) in enumerate(sources):
+        last = _SEEN.get((site, i), 0)
+        _until(lambda h=handle: _word(h, 0, word, timeout) > last, f"call {last + 1}'s piece from {handle.owner}")
         fill(out, reads, _header(readers))
-        word[0] = seq
+        _SEEN[(site, i)] = int(word[0])
         onesided.write(handle, 8 * (1 + slot), word.data_ptr(), 8, timeout)
     return out
 
