@@ -99,6 +99,14 @@ def stage_create(site: int, nbytes: int, readers: int) -> tuple[Handle]:
     return (stage.handle,)
 
 
+def stage_drop(site: int) -> tuple[bool]:
+    """Unregister the stage of crossing `site` (its compiled step will not run again); whether there was one."""
+    stage = STAGES.pop(site, None)
+    if stage is not None:
+        onesided.drop(stage.handle, config.rdma_timeout())
+    return (stage is not None,)
+
+
 def stage_out(site: int, x: torch.Tensor) -> tuple[()]:
     STAGES[site].put(x)
     return ()

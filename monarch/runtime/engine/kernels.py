@@ -146,7 +146,7 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "monarch::linear": torch.nn.functional.linear, "monarch::linear_weight_grad": linear_weight_grad,
     "monarch::rdma_export": crossmesh.export, "monarch::rdma_pull": crossmesh.pull,
     "monarch::stage_create": crossmesh.stage_create, "monarch::stage_out": crossmesh.stage_out,
-    "monarch::stage_in": crossmesh.stage_in,
+    "monarch::stage_in": crossmesh.stage_in, "monarch::stage_drop": crossmesh.stage_drop,
     **{f"monarch::dcp_{name}": _checkpoint(name) for name in (
         "write", "wait", "finish", "abort", "metadata", "read", "rng_state", "set_rng_state")},
 }

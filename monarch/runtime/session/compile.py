@@ -27,11 +27,12 @@ from monarch.graph.schedule import overlap
 from monarch.graph.trace import Capture
 from monarch.runtime.actors.proc_mesh import ProcMesh
 from monarch.runtime.control.commands import InvokeProgram
+from monarch.runtime.session import crossmesh
 from monarch.runtime.session.guards import CONSTANTS, Watch, capturable_on_cpu, known_optimizers, make_capturable
 from monarch.runtime.session.installed import FromArgument, FromGrad, FromState, Input, InstalledStep, Joint, Kept, \
     KeptGrad, feeds
 from monarch.runtime.session.local import LocalMesh
-from monarch.runtime.session.session import Session, all_sessions, session_of
+from monarch.runtime.session.session import NEW_SESSIONS, Session, all_sessions, session_of
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Replicate
 from monarch.tensor.spec import Spec, spec_of
@@ -83,24 +84,16 @@ class CompiledStep:
         each call fills (the step's own code then shards them, e.g. data_parallel's input hook). A step that
         moves tensors to other meshes (to_mesh) records on each and installs one program per mesh. No
         program is kept when the step met an Adam whose step counts were still on the controller."""
-        sessions = list(all_sessions())
-        for s in sessions:  # work recorded before the call runs first (other proc meshes: the step may move there)
+        for s in all_sessions():  # what was recorded before runs first (also on proc meshes the step may reach)
             if s.tracer.n_ops and (s is target or isinstance(s.mesh, ProcMesh) and s.live):
                 s.flush()
         fed = [target.tracer.feed(_replicated(t, target), i) if _plain(t) else t for i, t in enumerate(flat)]
         args, kwargs = pytree.tree_unflatten(fed, pytree.tree_flatten((args, kwargs))[1])
         watch = Watch(feed=functools.partial(_feed, target))
-        captures = {s: Capture(on_input=watch.input) for s in sessions}
-        before = {s: s.tracer.epoch for s in sessions}
-        for s in sessions:
-            s.capturing, s.tracer.capture = True, captures[s]
-        try:
-            with capturable_on_cpu(), watch.hooks():
-                result = self.fn(*args, **kwargs)
-        finally:
-            for s in sessions:
-                s.capturing, s.tracer.capture = False, None
-        used = [s for s in sessions if s.tracer.epoch != before[s]] or [target]
+        crossmesh.STAGED.clear()
+        with Recording(watch) as rec, capturable_on_cpu(), watch.hooks():
+            result = self.fn(*args, **kwargs)
+        used, captures = rec.used(target), rec.captures
         returned, spec = pytree.tree_flatten(result)
         if not all(isinstance(t, MeshTensor) for t in returned):
             raise TraceError("a monarch.compile'd step may return only MeshTensors (or nested lists, tuples and "
@@ -111,7 +104,8 @@ class CompiledStep:
         else:  # each mesh's program returns a flat list of the results that live there
             mine = [[t for t in returned if t._backend is s] for s in used]
             program = Joint(tuple(install(s, captures[s], m, pytree.tree_flatten(m)[1], flat, watch)
-                                  for s, m in zip(used, mine, strict=True)), _places(returned, used), spec)
+                                  for s, m in zip(used, mine, strict=True)), _places(returned, used), spec,
+                            tuple(crossmesh.STAGED))
         watch.refuse_changes(_name(self.fn))  # after the call ran: its MeshTensors are consistent
         for opt in watch.unconverted:
             make_capturable(opt)
@@ -128,6 +122,35 @@ def _places(returned: list[MeshTensor], used: list[Session]) -> tuple[tuple[int,
         places.append((part, counts[part]))
         counts[part] += 1
     return tuple(places)
+
+
+class Recording:
+    """The sessions that record one call of a step: every one that exists when it starts, and any made while it
+    runs (a mesh the step reaches first inside itself, such as to_mesh's destination) as it is made."""
+
+    def __init__(self, watch: Watch) -> None:
+        self.watch = watch
+        self.captures: dict[Session, Capture] = {}
+        self.before: dict[Session, int] = {}
+
+    def join(self, s: Session) -> None:
+        self.captures[s], self.before[s] = Capture(on_input=self.watch.input), s.tracer.epoch
+        s.capturing, s.tracer.capture = True, self.captures[s]
+
+    def __enter__(self) -> Recording:
+        for s in all_sessions():
+            self.join(s)
+        NEW_SESSIONS.append(self.join)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        NEW_SESSIONS.remove(self.join)
+        for s in self.captures:
+            s.capturing, s.tracer.capture = False, None
+
+    def used(self, target: Session) -> list[Session]:
+        """The sessions the step recorded on (at least `target`)."""
+        return [s for s in self.captures if s.tracer.epoch != self.before[s]] or [target]
 
 
 _KEEP = 8  # programs kept per signature (one per state the step met: gradients set or not, hyperparameters)

@@ -35,6 +35,9 @@ class Side(Protocol):
     abstract: Extent
     capturing: bool
 
+    @property
+    def live(self) -> bool: ...
+
     def on_ranks(self, op: str, args_of: Callable[[int, tuple[int, ...]], tuple], ins: Sequence[MeshTensor] = (),
                  specs: Sequence[Spec | None] = (None,)) -> list[MeshTensor]: ...
 
@@ -118,6 +121,7 @@ def _staged(src: Side, dst: Side, source: MeshTensor, out: Spec, plans: list[lis
     """While a compiled step is recorded: a stage per source rank, registered now and kept, which every call
     of the step fills (source program) and reads (destination program)."""
     site = next(_sites)
+    STAGED.append((src, site))
     coords = list(src.abstract.coords())
     readers = [[n for n, reads in enumerate(plans) if any(r.source == i for r in reads)] for i in range(len(coords))]
     nbytes = [prod(source._spec.local_shape(c)) * out.dtype.itemsize for c in coords]
@@ -134,6 +138,14 @@ def _staged(src: Side, dst: Side, source: MeshTensor, out: Spec, plans: list[lis
 
 
 _sites = itertools.count(1)  # crossings recorded in compiled steps, numbered for the workers' stages
+STAGED: list[tuple[Side, int]] = []  # (source session, site) of the stages made while a step is recorded
+
+
+def drop_stages(stages: Sequence[tuple[Side, int]]) -> None:
+    """Unregister the workers' stages of a compiled step that will not run again (on meshes still running)."""
+    for src, site in stages:
+        if src.live:
+            src.run_aside("monarch::stage_drop", lambda *_, site=site: (site,))
 
 
 def _no_args(_: int, __: tuple[int, ...]) -> tuple:

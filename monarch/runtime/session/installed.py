@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 
 from monarch.graph.trace import Tracer
 from monarch.runtime.control.commands import InvokeProgram
+from monarch.runtime.session.crossmesh import Side, drop_stages
 from monarch.runtime.session.guards import Guards
 from monarch.runtime.session.session import Session
 from monarch.tensor.meshtensor import MeshTensor
@@ -205,6 +206,7 @@ class Joint:
     parts: tuple[InstalledStep, ...]
     places: tuple[tuple[int, int], ...]
     spec: pytree.TreeSpec
+    stages: tuple[tuple[Side, int], ...] = ()  # the workers' stages of its crossings: (source session, site)
 
     @property
     def guards(self) -> Guards:
@@ -222,6 +224,7 @@ class Joint:
     def forget(self) -> None:
         for part in self.parts:
             part.forget()
+        drop_stages(self.stages)
 
 
 def feeds(slots: tuple[tuple[int, Any], ...], flat: list[Any], salt: int | None) -> tuple[tuple[int, Any], ...]:

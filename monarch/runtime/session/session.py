@@ -369,6 +369,7 @@ class Values(Fetch):
 _sessions: weakref.WeakValueDictionary[tuple[int, Any], Session] = weakref.WeakValueDictionary()
 _buffer_ids: dict[int, Iterator[int]] = {}
 _all: weakref.WeakSet[Session] = weakref.WeakSet()
+NEW_SESSIONS: list[Callable[[Session], None]] = []  # told of each session made (a compiled step's recording)
 
 
 def all_sessions() -> list[Session]:
@@ -393,4 +394,6 @@ def session_of(procs: MeshLike) -> Session:
         ids = _buffer_ids.setdefault(procs.mesh_id, itertools.count(1))
         s = _sessions[key] = Session(procs, RemoteRunner(procs), ids)
         procs.keep_while_held(s)
+        for join in NEW_SESSIONS:
+            join(s)
     return s

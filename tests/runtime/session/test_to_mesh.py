@@ -18,7 +18,7 @@ from strategies import placement_tuples, tensor_shapes
 
 import monarch
 from monarch import Partial, Replicate, Shard
-from monarch.actor import ProcMesh, this_host
+from monarch.actor import Actor, ProcMesh, endpoint, this_host
 from monarch.errors import TraceError
 from monarch.runtime.session.session import session_of
 
@@ -162,3 +162,27 @@ def test_reference_meshes_move_in_process() -> None:
     x = torch.randn(5, 6)
     moved = monarch.distribute_tensor(x, a, {"dp": Shard(0)}).to_mesh(b, {"x": Shard(1), "y": Shard(0)})
     assert torch.equal(moved.full_tensor(), x)
+
+
+class Stages(Actor):
+    @endpoint
+    def count(self) -> int:
+        from monarch.runtime.engine.crossmesh import STAGES
+        return len(STAGES)
+
+
+def test_a_retraced_step_unregisters_its_old_stages(meshes: tuple[ProcMesh, ProcMesh]) -> None:
+    a, b = meshes
+    probe = a.spawn("stages", Stages)
+    before = max(probe.count.call().get(timeout=T).values())
+    layer = monarch.parallelize_module(torch.nn.Linear(4, 4), a, {})
+
+    @monarch.compile
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return layer(x).to_mesh(b, {"x": Shard(0)}).sum()
+    x = monarch.distribute_tensor(torch.randn(4, 4), a, {"dp": Shard(0)})
+    first = step(x).item()
+    assert max(probe.count.call().get(timeout=T).values()) == before + 1
+    layer.weight.data = layer.weight.detach().redistribute({"dp": Shard(0)})  # the program no longer fits
+    assert step(x).item() == pytest.approx(first, rel=1e-5) and step.traces == 2
+    assert max(probe.count.call().get(timeout=T).values()) == before + 1  # the first trace's stage is gone
