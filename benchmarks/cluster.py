@@ -6,8 +6,9 @@ hosts (tests/cluster/testbed.py: network namespaces on a bridge, veth links, rea
 MPICH's OFI netmod so bytes cross the veths) and tears them down at the end. Baselines: a local mesh's spawn;
 a raw TCP ping-pong (1 byte, TCP_NODELAY) between the controller and the second host for the round trip; a raw
 TCP stream of the same bytes from the first host to the second (the link's ceiling) for the all_reduce, the
-RDMABuffer read and to_mesh (over the owners' TCP doors: the test hosts share a kernel, so the ranks are told
-MONARCH_RDMA_BACKEND=tcp, which hosts without RDMA devices would pick); the
+RDMABuffer read (over the owner's TCP door, and over MPI RMA windows joined on demand, MPICH's OFI netmod) and
+to_mesh (TCP doors: the test hosts share a kernel, so the ranks are told MONARCH_RDMA_BACKEND=tcp, which hosts
+without RDMA devices would pick); the
 same all_reduce between two ranks of one host; shutil.copytree and rsync for the sync (workspace_sync.py).
 """
 from __future__ import annotations
@@ -52,8 +53,9 @@ class Share(Actor):
         return RDMABuffer(self.data)
 
     @endpoint
-    def read(self, buf: RDMABuffer, reps: int) -> float:
+    def read(self, buf: RDMABuffer, reps: int, backend: str) -> float:
         out, times = torch.empty(buf.size(), dtype=torch.uint8), []
+        os.environ["MONARCH_RDMA_BACKEND"] = backend  # read per transfer, in this (the reading) process
         for _ in range(reps + 1):
             t = time.perf_counter()
             buf.read_into(out, timeout=TIMEOUT).get(timeout=TIMEOUT)
@@ -224,12 +226,13 @@ def run(bed: Testbed, a: argparse.Namespace) -> None:
         reduce = all_reduce_s(procs, "hosts", a.reps)
         share = procs.spawn("share", Share)
         buf = share.slice(hosts=0).share.call_one().get(timeout=TIMEOUT)
-        read = share.slice(hosts=1).read.call_one(buf, a.reps).get(timeout=TIMEOUT)
+        reads = {be: share.slice(hosts=1).read.call_one(buf, a.reps, be).get(timeout=TIMEOUT) for be in ("tcp", "mpi")}
         moved = to_mesh_s(procs, a.reps)
     stream = tcp_stream_s(bed, MIB64)
-    row("RDMABuffer.read_into 64 MiB, host 2 <- host 1", f"{read * 1e3:.0f} ms",
-        "raw TCP stream 64 MiB host 1 -> host 2", f"{stream * 1e3:.0f} ms",
-        f"{read / stream:.2f}x ({MIB64 / read / 1e9:.2f} GB/s, tcp)")
+    for be, read in reads.items():
+        row(f"RDMABuffer.read_into 64 MiB, host 2 <- 1, {be}", f"{read * 1e3:.0f} ms",
+            "raw TCP stream 64 MiB host 1 -> host 2", f"{stream * 1e3:.0f} ms",
+            f"{read / stream:.2f}x ({MIB64 / read / 1e9:.2f} GB/s)")
     row("to_mesh 64 MiB, host 1's rank -> host 2's", f"{moved * 1e3:.0f} ms", "raw TCP stream 64 MiB host 1 -> host 2",
         f"{stream * 1e3:.0f} ms", f"{moved / stream:.2f}x")
     with this_host().spawn_procs(per_host={"gpus": 2}, name="bench-local") as one_host:
