@@ -56,10 +56,15 @@ class DebugSessionInfo:
 
 
 def info(rec: PausedRank) -> DebugSessionInfo:
-    coords = {k: int(v) for k, v in (kv.split("=") for kv in rec.coords.split(",") if "=" in kv)}
-    module = os.path.splitext(os.path.basename(rec.filename))[0]
-    return DebugSessionInfo(rec.actor, rec.rank, coords, rec.host, f"{module}.{rec.function}", rec.lineno,
-                            rec.mesh.name, rec.endpoint, rec.filename)
+    coords = point(rec)
+    module = os.path.splitext(os.path.basename(rec.at.filename))[0]
+    return DebugSessionInfo(rec.actor, rec.rank, coords, rec.at.host, f"{module}.{rec.at.function}", rec.at.lineno,
+                            rec.mesh.name, rec.at.endpoint, rec.at.filename)
+
+
+def point(rec: PausedRank) -> dict[str, int]:
+    """A paused rank's coordinates by dim (its label is "dp=0,tp=1")."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in rec.at.coords.split(",") if "=" in kv)}
 
 
 def table(rows: list[DebugSessionInfo]) -> str:
@@ -109,7 +114,7 @@ def select(recs: list[PausedRank], spec: str) -> list[PausedRank]:
     dims = [(d.strip(), v) for d, v in (i.split("=", 1) for i in items)]
     chosen = []
     for rec in recs:
-        coords = {k: int(v) for k, v in (kv.split("=") for kv in rec.coords.split(",") if "=" in kv)}
+        coords = point(rec)
         if all(d in coords and coords[d] in _indices(v, 1 + coords[d]) for d, v in dims):
             chosen.append(rec)
     return chosen
@@ -167,7 +172,7 @@ class DebugConsole:
         self.attached = rec = found[0]
         shown = self.breakpoints.take_output(rec)  # what it printed since its last line, shown once
         note = f"<last pdb output for {rec.actor} {rec.rank} follows>\n" if shown else ""
-        return f"Attached to debug session for {rec.actor} {rec.rank} ({rec.host})\n{note}{shown}"
+        return f"Attached to debug session for {rec.actor} {rec.rank} ({rec.at.host})\n{note}{shown}"
 
     def _pdb_line(self, line: str) -> str:
         rec = self.attached
@@ -186,7 +191,7 @@ class DebugConsole:
     def _detach(self, out: str) -> str:
         rec, self.attached = self.attached, None
         assert rec is not None
-        return f"{out}Detached from debug session for {rec.actor} {rec.rank} ({rec.host})\n"
+        return f"{out}Detached from debug session for {rec.actor} {rec.rank} ({rec.at.host})\n"
 
     def _cast(self, line: str) -> str:
         m = _CAST.fullmatch(line)

@@ -47,18 +47,19 @@ class PausedRank:
     """One rank stopped in pdb: where it stands and what it printed since the last line it was sent."""
     mesh: PausedJob  # the controller's record of the rank's job
     conn: RankConn  # the rank's connection, which its lines go to
-    actor: str
-    endpoint: str
-    rank: int
-    coords: str
-    host: str
-    filename: str
-    function: str
-    lineno: int
+    at: DebugPaused  # its latest pause: which call, where (the output is gathered below)
     output: str = ""
     waiting: bool = True  # its pdb reads a line now
     ended: bool = False  # its session is over (the rank runs on)
     seen: int = field(default=0)  # events so far (pauses and the end)
+
+    @property
+    def actor(self) -> str:
+        return self.at.actor
+
+    @property
+    def rank(self) -> int:
+        return self.at.rank
 
     @property
     def key(self) -> Key:
@@ -66,12 +67,12 @@ class PausedRank:
 
     @property
     def where(self) -> str:
-        return f"{os.path.basename(self.filename)}:{self.lineno}"
+        return f"{os.path.basename(self.at.filename)}:{self.at.lineno}"
 
     def describe(self) -> str:
         """`debugee.to_debug on rank 1 (dp=0,tp=1) of mesh 'procs', at test_x.py:12`"""
-        call = f"{self.actor}.{self.endpoint}" if self.actor else "code outside any actor call"
-        coords = f" ({self.coords})" if self.coords else ""
+        call = f"{self.actor}.{self.at.endpoint}" if self.actor else "code outside any actor call"
+        coords = f" ({self.at.coords})" if self.at.coords else ""
         return f"{call} on rank {self.rank}{coords} of mesh {self.mesh.name!r}, at {self.where}"
 
 
@@ -87,14 +88,13 @@ class Breakpoints:
             key = (mesh.id, msg.actor, msg.rank)
             rec = self._ranks.get(key)
             if rec is None:
-                rec = PausedRank(mesh, conn, msg.actor, msg.endpoint, msg.rank, msg.coords, msg.host, msg.filename,
-                                 msg.function, msg.lineno)
+                rec = PausedRank(mesh, conn, msg)
                 if not any(k[:2] == key[:2] for k in self._ranks):  # the first of its actor mesh says so
                     print(f"monarch: breakpoint: {rec.describe()} is paused in pdb (other ranks may follow); attach "
                           f"from another terminal with `monarch debug` (`list`, then `attach {msg.actor} {msg.rank}`)",
                           file=sys.stderr, flush=True)
                 self._ranks[key] = rec
-            rec.filename, rec.function, rec.lineno = msg.filename, msg.function, msg.lineno
+            rec.at = msg
             rec.output += msg.output
             rec.waiting = True
             rec.seen += 1
