@@ -143,9 +143,10 @@ class Gate:
     def run(self) -> None:
         self.listener.setblocking(False)
         self._sel.register(self.listener, selectors.EVENT_READ)
+        turning = True
         try:
-            while self._turn():
-                pass
+            while turning:
+                turning = self._turn()
         finally:
             for conn in list(self._waiting):
                 self._drop(conn)

@@ -109,8 +109,9 @@ def serve(sock: socket.socket, regions: Windows) -> None:
         raise TransportError(f"joining an MPI pair failed: {e.Get_error_string()}") from None
     try:
         tcp.status(sock, "")
-        while _serve_one(sock, regions, comm):
-            pass
+        serving = True
+        while serving:
+            serving = _serve_one(sock, regions, comm)
     finally:
         regions.remove_window(window)  # the window itself is the pair's: freeing it would need the reader
         sock.shutdown(socket.SHUT_RDWR)  # the door reads no further request on a pair's line

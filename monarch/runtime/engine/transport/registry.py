@@ -10,6 +10,7 @@ serves count in-process instead. Every live region is attached to each MPI windo
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import mmap
@@ -130,6 +131,11 @@ class Registry:
                                  "is not one this process registered")
         return region
 
+    def check(self, slot: int, gen: int, key: bytes) -> None:
+        """Raise TransportError unless the handle's region is registered here now (the key checked first)."""
+        with self._lock:
+            self._find(slot, gen, key)
+
     @contextmanager
     def using(self, slot: int, gen: int, key: bytes, offset: int, nbytes: int) -> Iterator[memoryview]:
         """The bytes [offset, offset + nbytes) of a live region, which is not dropped before the block ends."""
@@ -200,8 +206,6 @@ def owner_label() -> str:
 def allow_cross_memory_readers() -> None:
     """Let processes of this user read this one with process_vm_readv where Yama restricts ptrace to
     descendants (prctl PR_SET_PTRACER_ANY; a no-op without Yama)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # no libc prctl: nothing restricts attaching either
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass

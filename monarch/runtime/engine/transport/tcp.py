@@ -51,6 +51,8 @@ class Regions(Protocol):
 
     def drop(self, slot: int, gen: int, key: bytes) -> None: ...
 
+    def check(self, slot: int, gen: int, key: bytes) -> None: ...
+
     def join_mpi(self, sock: socket.socket) -> None: ...
 
 
@@ -112,12 +114,11 @@ class Server:
     def _verbs(self, sock: socket.socket, h: tuple) -> None:
         if self.registry.verbs is None:
             raise TransportError("this process has no RDMA device")
-        with self.registry.using(h[2], h[3], h[4], 0, 0):  # only the holder of a live handle connects
-            self.registry.verbs.accept(sock, h[6])
+        self.registry.check(h[2], h[3], h[4])  # only the holder of a live handle connects
+        self.registry.verbs.accept(sock, h[6])
 
     def _mpi_join(self, sock: socket.socket, h: tuple) -> None:
-        with self.registry.using(h[2], h[3], h[4], 0, 0):  # only the holder of a live handle joins
-            pass
+        self.registry.check(h[2], h[3], h[4])  # only the holder of a live handle joins
         self.registry.join_mpi(sock)
 
 
