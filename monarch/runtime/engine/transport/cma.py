@@ -98,14 +98,14 @@ def reaches(owner: Owner) -> bool:
     return owner.node == this_node() and owner.pid != os.getpid()
 
 
-def read(handle: Handle, offset: int, dst: memoryview, addr: int) -> None:
-    """Copy the owner's bytes [offset, offset + len(dst)) to this process's address `addr` (dst's)."""
-    _copy("process_vm_readv", handle, offset, len(dst), addr)
+def read(handle: Handle, offset: int, n: int, addr: int) -> None:
+    """Copy the owner's bytes [offset, offset + n) to this process's address `addr`."""
+    _copy("process_vm_readv", handle, offset, n, addr)
 
 
-def write(handle: Handle, offset: int, src: memoryview, addr: int) -> None:
-    """Copy len(src) bytes from this process's address `addr` (src's) to the owner's bytes at `offset`."""
-    _copy("process_vm_writev", handle, offset, len(src), addr)
+def write(handle: Handle, offset: int, n: int, addr: int) -> None:
+    """Copy n bytes from this process's address `addr` to the owner's bytes at `offset`."""
+    _copy("process_vm_writev", handle, offset, n, addr)
 
 
 def read_memory(pid: int, remote: int, local: int, n: int) -> None:

@@ -93,12 +93,21 @@ def write(handle: Handle, offset: int, addr: int, n: int, timeout: float) -> Non
 def _move(handle: Handle, offset: int, addr: int, n: int, timeout: float, reading: bool) -> None:
     if n == 0:
         return
-    mem = memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
     backend = backend_for(handle)
     if backend == "local":
         with registry().using(handle.slot, handle.gen, handle.key, offset, n) as there:
             ctypes.memmove(addr, _address(there), n) if reading else ctypes.memmove(_address(there), addr, n)
         return
+    if backend == "shm":
+        try:
+            (cma.read if reading else cma.write)(handle, offset, n, addr)
+            return
+        except cma.Refused:
+            _no_attach.add(handle.owner.pid)
+            if config.rdma_backend() == "shm":
+                raise TransportError(f"MONARCH_RDMA_BACKEND=shm, but this kernel refuses cross-memory attach to "
+                                     f"{handle.owner} (ptrace restrictions); unset it to use TCP") from None
+    mem = memoryview((ctypes.c_char * n).from_address(addr)).cast("B")  # what the other backends move
     if backend == "ibverbs":
         device = verbs.device()
         if device is None:
@@ -114,15 +123,6 @@ def _move(handle: Handle, offset: int, addr: int, n: int, timeout: float, readin
                 raise TransportError(f"MONARCH_RDMA_BACKEND=mpi, but {e}; unset it (or set it to tcp) for a "
                                      "transfer with a process outside MPI") from None
             _no_mpi.add((handle.owner.pid, handle.owner.started))
-    if backend == "shm":
-        try:
-            (cma.read if reading else cma.write)(handle, offset, mem, addr)
-            return
-        except cma.Refused:
-            _no_attach.add(handle.owner.pid)
-            if config.rdma_backend() == "shm":
-                raise TransportError(f"MONARCH_RDMA_BACKEND=shm, but this kernel refuses cross-memory attach to "
-                                     f"{handle.owner} (ptrace restrictions); unset it to use TCP") from None
     _tcp(handle, offset, mem, timeout, reading)
 
 
