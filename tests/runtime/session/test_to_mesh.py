@@ -170,6 +170,24 @@ class Stages(Actor):
         from monarch.runtime.engine.crossmesh import STAGES
         return len(STAGES)
 
+    @endpoint
+    def registered(self) -> int:
+        """Regions this process has registered now (pieces exported, stages)."""
+        from monarch.runtime.engine.transport.registry import registered
+        r = registered()
+        return r.live() if r is not None else 0
+
+
+def test_eager_moves_leave_nothing_registered(meshes: tuple[ProcMesh, ProcMesh]) -> None:
+    a, b = meshes
+    probe = a.spawn("regions", Stages)
+    before = probe.registered.call().get(timeout=T).values()
+    t = monarch.distribute_tensor(torch.randn(8, 8), a, {"dp": Shard(0)})
+    for _ in range(5):
+        t.to_mesh(b, {"x": Shard(1)})
+    monarch.synchronize(a, T)  # the exports are freed with the source's next program
+    assert probe.registered.call().get(timeout=T).values() == before
+
 
 def test_a_retraced_step_unregisters_its_old_stages(meshes: tuple[ProcMesh, ProcMesh]) -> None:
     a, b = meshes
