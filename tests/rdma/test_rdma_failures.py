@@ -174,3 +174,38 @@ def test_the_tcp_fallback_warns_once_or_fails_when_turned_off(owners: ActorMesh[
     assert (get_rdma_backend(), is_rdma_available()) == ("tcp", True)
     with backend(None, "0"):
         assert (get_rdma_backend(), is_rdma_available()) == ("none", False)
+
+
+def _closed(sock: socket.socket, within: float) -> bool:
+    """Whether the peer closes `sock` within `within` seconds (it sent nothing)."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_the_door_closes_idle_and_surplus_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another local process can reach a door but not pile up on it: a connection that sends no request is closed
+    after FIRST_REQUEST_S, one beyond MAX_CONNECTIONS at once; a transfer afterwards still works."""
+    from monarch.runtime.engine.transport import tcp
+    monkeypatch.setattr(tcp, "FIRST_REQUEST_S", 0.5)
+    data = torch.arange(64, dtype=torch.uint8)
+    buf = RDMABuffer(data)  # the controller's door
+    door = (buf._handle.owner.host, buf._handle.owner.port)
+    monkeypatch.setattr(tcp, "MAX_CONNECTIONS", 3 + len(tcp._idle.get(door, [])))  # room for three idlers
+    idlers = [socket.create_connection(door, timeout=T) for _ in range(3)]
+    time.sleep(0.1)
+    extra = socket.create_connection(door, timeout=T)
+    assert _closed(extra, 2.0), "a connection beyond MAX_CONNECTIONS was kept"
+    start = time.monotonic()
+    assert all(_closed(s, 5.0) for s in idlers) and time.monotonic() - start < 3.0
+    with backend("tcp"):
+        out = torch.empty(64, dtype=torch.uint8)
+        forged(buf, pid=1).read_into(out).get(timeout=T)  # another pid: through the door, not in place
+    assert torch.equal(out, data)
+    for s in [*idlers, extra]:
+        s.close()
+    buf.drop().get(timeout=T)

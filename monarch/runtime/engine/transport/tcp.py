@@ -56,11 +56,17 @@ class Regions(Protocol):
     def join_mpi(self, sock: socket.socket) -> None: ...
 
 
+FIRST_REQUEST_S = 10.0  # a new connection must send a well-formed request this soon, or it is closed
+MAX_CONNECTIONS = 256  # open connections per door; more are closed at once (another local user cannot pile up threads)
+
+
 class Server:
     """Accepts on `host` (an ephemeral port) in a daemon thread; one thread per connection serves requests."""
 
     def __init__(self, registry: Regions, host: str) -> None:
         self.registry = registry
+        self._open = 0
+        self._count = threading.Lock()
         self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.host, self.port = self._listener.getsockname()[:2]
         self._ops: dict[int, Callable[[socket.socket, tuple], None]] = {
@@ -74,26 +80,43 @@ class Server:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
+            with self._count:
+                full = self._open >= MAX_CONNECTIONS
+                self._open += not full
+            if full:
+                sock.close()
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(sock,), name="monarch-rdma-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
-        with sock:
-            while True:
-                raw = recv_exactly(sock, HEADER.size)
-                if raw is None:
-                    return
-                header = HEADER.unpack(raw)
-                op = self._ops.get(header[1]) if header[0] == MAGIC else None
-                try:
-                    if op is None:
-                        raise TransportError("not a monarch RDMA request (bad magic or op)")
-                    op(sock, header)
-                except (TransportError, ValueError) as e:
-                    status(sock, str(e))
-                    return
-                except OSError:
-                    return
+        sock.settimeout(FIRST_REQUEST_S)
+        try:
+            with sock:
+                while self._request(sock):
+                    continue
+        except OSError:  # the peer went away, or sent no request in time
+            return
+        finally:
+            with self._count:
+                self._open -= 1
+
+    def _request(self, sock: socket.socket) -> bool:
+        """Serve one request; whether the connection stays open for another."""
+        raw = recv_exactly(sock, HEADER.size)
+        if raw is None:
+            return False
+        header = HEADER.unpack(raw)
+        op = self._ops.get(header[1]) if header[0] == MAGIC else None
+        try:
+            if op is None:
+                raise TransportError("not a monarch RDMA request (bad magic or op)")
+            sock.settimeout(None)  # a well-formed request: the op checks its key before anything else
+            op(sock, header)
+        except (TransportError, ValueError) as e:
+            status(sock, str(e))
+            return False
+        return True
 
     def _read(self, sock: socket.socket, h: tuple) -> None:
         with self.registry.using(h[2], h[3], h[4], h[5], h[6]) as mem:
