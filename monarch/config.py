@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cache
 from typing import Callable, Mapping, TypeVar
 
 ATTACH_SECRET = "MONARCH_ATTACH_SECRET"  # attach mode's shared secret (cluster/agent.py keeps it from children)
@@ -43,6 +44,9 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "this size (0: run them where they are, blocking)"),
     Flag("MONARCH_TRANSPORT", "auto", "data plane of tensor collectives: auto (shared memory for a group whose "
          "ranks share a host, MPI across hosts), mpi, or shm (every group must be on one host)"),
+    Flag("MONARCH_COLLECTIVES", "auto", "what runs tensor collectives: auto (torch.distributed's NCCL for CUDA "
+         "tensors, MONARCH_TRANSPORT's choice for CPU tensors), mpi (MONARCH_TRANSPORT's choice; no CUDA tensors), "
+         "or torch (torch.distributed for every collective: gloo for CPU tensors, NCCL for CUDA tensors)"),
     Flag("MONARCH_TELEMETRY", "1", "0 turns off recording of telemetry events (messages, programs, failures, ...)"),
     Flag("MONARCH_PROFILE", "0", "1 records the time of every tensor instruction on the workers (ops table)"),
     Flag("MONARCH_TELEMETRY_DB", "", "a file for the telemetry database (default: in memory)"),
@@ -130,8 +134,9 @@ def _str(name: str) -> str:
     return FLAGS[name].raw()
 
 
+@cache
 def _choice(*allowed: str) -> Callable[[str], str]:
-    """A cast that accepts one of `allowed` (case-insensitive)."""
+    """A cast that accepts one of `allowed` (case-insensitive); one per set of choices."""
     def cast(s: str) -> str:
         if s.strip().lower() not in allowed:
             raise ValueError(f"expected one of {', '.join(allowed)}")
@@ -198,6 +203,14 @@ TRANSPORTS = ("auto", "mpi", "shm")
 def transport() -> str:
     """MONARCH_TRANSPORT, one of TRANSPORTS."""
     return _parse("MONARCH_TRANSPORT", _choice(*TRANSPORTS))
+
+
+COLLECTIVES = ("auto", "mpi", "torch")
+
+
+def collectives() -> str:
+    """MONARCH_COLLECTIVES, one of COLLECTIVES."""
+    return _parse("MONARCH_COLLECTIVES", _choice(*COLLECTIVES))
 
 
 def telemetry() -> bool:

@@ -61,21 +61,21 @@ class RDMABuffer:
     def read_into(self, dst: LocalMemory, *, offset: int = 0, timeout: float = 3) -> Future[None]:
         """Copy the buffer's bytes from `offset` to its end into the start of `dst` (a contiguous tensor or
         memoryview of at least that many bytes)."""
-        _, room = region(dst, "RDMABuffer.read_into")
+        addr, room = region(dst, "RDMABuffer.read_into")
         n = self.size() - offset
         if room < n or offset < 0:
             raise ValueError(f"RDMABuffer.read_into: the destination holds {room} bytes, but the buffer has "
                              f"{max(n, 0)} from offset {offset} (of {self.size()}); pass a larger destination, or "
                              "read the rest with a larger offset")
-        return _run("read_into", lambda: onesided.read(self._handle, offset, region(dst, "")[0], n, timeout))
+        return _run("read_into", lambda: onesided.read(self._handle, offset, addr, n, timeout), dst)
 
     def write_from(self, src: LocalMemory, *, offset: int = 0, timeout: float = 3) -> Future[None]:
         """Copy all of `src` into the buffer from `offset`."""
-        _, n = region(src, "RDMABuffer.write_from")
+        addr, n = region(src, "RDMABuffer.write_from")
         if offset < 0 or offset + n > self.size():
             raise ValueError(f"RDMABuffer.write_from: {n} bytes at offset {offset} do not fit the buffer's "
                              f"{self.size()} bytes")
-        return _run("write_from", lambda: onesided.write(self._handle, offset, region(src, "")[0], n, timeout))
+        return _run("write_from", lambda: onesided.write(self._handle, offset, addr, n, timeout), src)
 
     def drop(self) -> Future[None]:
         """Unregister the memory (after the transfers under way); later transfers raise TransportError."""
@@ -157,17 +157,18 @@ _SHARING = ("write_remote", "read_into")  # transfers that may share local bytes
 
 class _Deferred:
     """The waiter of a transfer's Future: the transfer runs, in the waiting thread, when the Future is first
-    waited for (get() or await), as Monarch's transfers do; its closure keeps the local memory alive until
-    then, so a temporary source is never read after it was freed."""
+    waited for (get() or await), as Monarch's transfers do; it keeps the local memory alive until then, so a
+    temporary source is never read after it was freed."""
     threaded = False
 
-    def __init__(self, transfer: Callable[[], None]) -> None:
+    def __init__(self, transfer: Callable[[], None], keep: object) -> None:
         self._transfer: Callable[[], None] | None = transfer
+        self._keep: object = keep
         self._lock = threading.Lock()
 
     def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
         with self._lock:
-            transfer, self._transfer = self._transfer, None
+            transfer, keep, self._transfer, self._keep = self._transfer, self._keep, None, None
         if transfer is None:  # another thread runs it
             state.wait(arrived, None if deadline is None else deadline - time.monotonic())
             return
@@ -177,8 +178,9 @@ class _Deferred:
             state.deliver(0, False, e)
         else:
             state.deliver(0, True, None)
+        del keep  # the local memory may go once the bytes moved
 
 
-def _run(what: str, transfer: Callable[[], None]) -> Future[None]:
-    """A Future of `transfer`, which runs when it is waited for."""
-    return Future(CallState(_ONE, f"RDMABuffer.{what}"), _Deferred(transfer), one_result)
+def _run(what: str, transfer: Callable[[], None], keep: object = None) -> Future[None]:
+    """A Future of `transfer`, which runs when it is waited for; `keep` (its local memory) lives until then."""
+    return Future(CallState(_ONE, f"RDMABuffer.{what}"), _Deferred(transfer, keep), one_result)

@@ -51,7 +51,7 @@ def one(mesh: ActorMesh, rank: int = 0) -> ActorMesh:
 
 CASES = [(torch.bool, 1), (torch.float32, 4096), (torch.bfloat16, 4096), (torch.int64, 4096),
          (torch.complex64, 4096), (torch.bool, 4096), (torch.float32, 3 * MiB), (torch.bfloat16, 5 * MiB - 2),
-         (torch.complex64, 2 * MiB)]
+         (torch.complex64, 2 * MiB), (torch.float16, 16 * MiB + 4098)]  # the last one is copied in parallel parts
 
 
 @pytest.mark.parametrize("dtype,nbytes", CASES, ids=[f"{d}-{n}" for d, n in CASES])
@@ -180,6 +180,17 @@ def test_a_transfer_runs_when_its_future_is_waited_for(owners: ActorMesh[Owner])
     read.get(timeout=T)
     assert seen.tolist() == [7] * 64
     assert not rdma.is_ibverbs_available() or rdma.get_rdma_backend() == "ibverbs"
+
+
+def test_a_temporary_source_lives_until_its_write_ran(owners: ActorMesh[Owner]) -> None:
+    """A write from a temporary that the caller let go of never reads freed memory: its Future keeps it."""
+    n = 256 << 10
+    buf = owners.slice(gpus=0).share.call_one("kept", torch.zeros(n, dtype=torch.uint8)).get(timeout=T)
+    write = buf.write_from(torch.full((n,), 7, dtype=torch.uint8))
+    churn = [torch.full((n,), 9, dtype=torch.uint8) for _ in range(16)]  # would take a freed source's memory
+    write.get(timeout=T)
+    assert owners.slice(gpus=0).value.call_one("kept").get(timeout=T).unique().tolist() == [7]
+    assert len(churn) == 16
 
 
 @st.composite
