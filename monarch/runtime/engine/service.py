@@ -2,7 +2,8 @@
 
 It maps the program's mesh view to this rank's coordinates and to the world ranks of each collective
 group, runs a group's collectives on shared memory when its ranks share this host and on MPI otherwise
-(MONARCH_TRANSPORT), and packs the reply of a synchronising program (the fetched value, or the first error).
+(MONARCH_TRANSPORT), or through torch.distributed (CUDA tensors; any with MONARCH_COLLECTIVES=torch), and
+packs the reply of a synchronising program (the fetched value, or the first error).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from monarch.runtime.control.commands import InstallProgram, InvokeProgram, RunP
 from monarch.runtime.engine.engine import Engine, Transport
 from monarch.runtime.engine.transport.mpi import MpiTransport
 from monarch.runtime.engine.transport.shm import ShmTransport, shares_memory
+from monarch.runtime.engine.transport.torchdist import Rendezvous, TorchTransport
 from monarch.runtime.telemetry.events import RECORDER, now_us
 from monarch.shape import Shape, group_coords
 
@@ -29,7 +31,7 @@ class TensorService:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         torch.set_num_threads(threads_per_worker())
-        self.engine = Engine(rank, Transports(self._group, config.transport()))
+        self.engine = Engine(rank, Transports(self._group, config.transport(), config.collectives()))
         self._view: Shape | None = None
         self._coords: tuple[int, ...] = ()
         self._places: dict[Shape, tuple[tuple[int, ...], str]] = {}
@@ -86,23 +88,40 @@ class TensorService:
 
 
 class Transports:
-    """Runs each collective on the transport of its group: shared memory when all the group's ranks share
-    this host (decided once per group, by its members), else MPI; `mode` (MONARCH_TRANSPORT) can force one."""
+    """Runs each collective on the transport of its group and tensors' device (`collectives`,
+    MONARCH_COLLECTIVES): CUDA tensors through torch.distributed's NCCL; CPU tensors through gloo when
+    `collectives` is "torch", else on shared memory when all the group's ranks share this host (decided once per
+    group, by its members) and on MPI otherwise, which `mode` (MONARCH_TRANSPORT) can force."""
 
-    def __init__(self, group_of: Callable[[int], tuple[int, ...]], mode: str) -> None:
-        self.group_of, self.mode = group_of, mode
+    def __init__(self, group_of: Callable[[int], tuple[int, ...]], mode: str, collectives: str) -> None:
+        self.group_of, self.mode, self.collectives = group_of, mode, collectives
         self.mpi = MpiTransport(group_of)
         self.shm = ShmTransport(lambda mdim: self.mpi.comm_for(group_of(mdim)))
+        meet = Rendezvous(self.mpi.comm_for, self.local)
+        self.torch = {backend: TorchTransport(group_of, meet, backend) for backend in ("gloo", "nccl")}
         self._local: dict[tuple[int, ...], bool] = {}
+        self._ran: dict[int, Transport] = {}  # by mesh dim: the transport of its latest collective
 
-    def pick(self, mdim: int) -> Transport:
-        if self.mode == "mpi":
-            return self.mpi
-        ranks = self.group_of(mdim)
+    def local(self, ranks: tuple[int, ...]) -> bool:
+        """Whether all of `ranks` run on this host (collective over them the first time)."""
         local = self._local.get(ranks)
         if local is None:
             local = self._local[ranks] = shares_memory(self.mpi.comm_for(ranks))
-        if local:
+        return local
+
+    def pick(self, mdim: int, device: torch.device) -> Transport:
+        if device.type == "cuda":
+            if self.collectives == "mpi":
+                raise TransportError(f"MONARCH_COLLECTIVES=mpi runs collectives of CPU tensors only, and mesh dim "
+                                     f"{mdim} has a {device} tensor; set MONARCH_COLLECTIVES=auto (NCCL for CUDA "
+                                     "tensors)")
+            return self.torch["nccl"]
+        if self.collectives == "torch":
+            return self.torch["gloo"]
+        if self.mode == "mpi":
+            return self.mpi
+        ranks = self.group_of(mdim)
+        if self.local(ranks):
             return self.shm
         if self.mode == "shm":
             raise TransportError(f"MONARCH_TRANSPORT=shm, but the ranks {ranks} of mesh dim {mdim} are on more than "
@@ -110,13 +129,16 @@ class Transports:
         return self.mpi
 
     def name(self, mdim: int) -> str:
-        return self.pick(mdim).name(mdim)
+        """What ran the latest collective over mesh dim `mdim`."""
+        return self._ran[mdim].name(mdim)
 
     def __call__(self, ins: Comm, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
-        return self.pick(ins.mdim)(ins, x, owned)
+        t = self._ran[ins.mdim] = self.pick(ins.mdim, x.device)
+        return t(ins, x, owned)
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
-        return self.pick(ins.mdim).start(ins, flat)
+        t = self._ran[ins.mdim] = self.pick(ins.mdim, flat.device)
+        return t.start(ins, flat)
 
 
 def threads_per_worker() -> int:

@@ -33,10 +33,11 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
 pytestmark = pytest.mark.filterwarnings("ignore:monarch. .* has no sharding rule")
 
 
-def check(ranks: int, *args: str, env: dict[str, str] | None = None) -> tuple[str, str]:
-    """transport_check.py under mpiexec: its stdout and stderr, after asserting every rank printed "ok"."""
+def check(ranks: int, *args: str, env: dict[str, str] | None = None, script: Path = CHECK) -> tuple[str, str]:
+    """transport_check.py (or `script`) under mpiexec: its stdout and stderr, after asserting every rank printed
+    "ok"."""
     mpiexec = Path(sys.executable).with_name("mpiexec")
-    proc = subprocess.Popen([str(mpiexec), "-n", str(ranks), sys.executable, str(CHECK), str(ranks), "150", *args],
+    proc = subprocess.Popen([str(mpiexec), "-n", str(ranks), sys.executable, str(script), str(ranks), "150", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, **(env or {})})
     try:

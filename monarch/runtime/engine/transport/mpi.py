@@ -52,7 +52,7 @@ class MpiTransport:
 
     def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Begin a non-blocking all_reduce of a flat bucket; the returned callable waits for it."""
-        buf, back = _reducible(flat, private=False)  # the bucket is a fresh flat copy: reduced in place
+        buf, back = reducible(flat, private=False)  # the bucket is a fresh flat copy: reduced in place
         req = self.comm_for(self.group_of(ins.mdim)).Iallreduce(MPI.IN_PLACE, _np(buf), op=OPS[ins.op])
 
         def finish() -> torch.Tensor:
@@ -82,7 +82,8 @@ def pack(dst: torch.Tensor, parts: list[torch.Tensor], dim: int) -> None:
 def unpack(flats: list[torch.Tensor], shapes: list[tuple[int, ...]], dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The pieces `flats` (each laid out by `front_shape(shape, dim)`) concatenated along `dim` (one copy)."""
     first = shapes[0]
-    out = torch.empty((*first[:dim], sum(s[dim] for s in shapes), *first[dim + 1:]), dtype=dtype)
+    out = torch.empty((*first[:dim], sum(s[dim] for s in shapes), *first[dim + 1:]), dtype=dtype,
+                      device=flats[0].device)
     at = 0
     for flat, shape in zip(flats, shapes, strict=True):
         out.narrow(dim, at, shape[dim]).copy_(flat.view(front_shape(shape, dim)).movedim(0, dim))
@@ -94,7 +95,7 @@ def dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` contiguous in `dtype`: itself when it already is, else one copy that converts and lays it out."""
     if t.dtype == dtype and t.is_contiguous():
         return t
-    return torch.empty(t.shape, dtype=dtype).copy_(t)
+    return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
 
 
 def joined(recv: torch.Tensor, counts: list[int], shapes: list[tuple[int, ...]], dim: int) -> torch.Tensor:
@@ -113,13 +114,13 @@ def all_gather(comm: MPI.Intracomm, ins: Comm, x: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce(comm: MPI.Intracomm, op: str, x: torch.Tensor, owned: bool) -> torch.Tensor:
-    buf, back = _reducible(x, private=not owned)
+    buf, back = reducible(x, private=not owned)
     comm.Allreduce(MPI.IN_PLACE, _np(buf), op=OPS[op])
     return buf.to(back) if back is not None else buf
 
 
 def reduce_scatter(comm: MPI.Intracomm, ins: Comm, x: torch.Tensor) -> torch.Tensor:
-    buf, back = _reducible(x.movedim(ins.dim, 0), private=False)
+    buf, back = reducible(x.movedim(ins.dim, 0), private=False)
     k, n = len(ins.shapes), x.shape[ins.dim]
     rest = prod(buf.shape[1:])
     counts = [chunk(n, k, i)[1] * rest for i in range(k)]
@@ -152,10 +153,11 @@ def part_shape(shape: tuple[int, ...], dim: int, k: int, j: int) -> tuple[int, .
     return tuple(chunk(shape[dim], k, j)[1] if d == dim else n for d, n in enumerate(shape))
 
 
-def _reducible(x: torch.Tensor, private: bool) -> tuple[torch.Tensor, torch.dtype | None]:
-    """`x` contiguous in a dtype MPI can reduce (a copy of its own when `private`: it is reduced in
-    place), and the dtype to convert the result back to."""
-    wide = WIDE.get(x.dtype)
+def reducible(x: torch.Tensor, private: bool,
+              widen: dict[torch.dtype, torch.dtype] = WIDE) -> tuple[torch.Tensor, torch.dtype | None]:
+    """`x` contiguous in a dtype MPI (or the transport whose `widen` is given) can reduce (a copy of its own when
+    `private`: it is reduced in place), and the dtype to convert the result back to."""
+    wide = widen.get(x.dtype)
     if wide is not None:
         return x.to(wide, memory_format=torch.contiguous_format), x.dtype
     return (x.clone(memory_format=torch.contiguous_format) if private else x.contiguous()), None
