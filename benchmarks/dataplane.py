@@ -3,10 +3,11 @@
 collectives: a 64 MiB float32 all_reduce, all_gather and reduce_scatter between 2 and 4 ranks of this host,
 each run as a MeshTensor redistribution (Partial->Replicate, Shard(0)->Replicate, Partial->Shard(0); only the
 redistribution is timed, on warm workers, until `monarch.synchronize` returns) with MONARCH_TRANSPORT=auto
-(shared memory here) and =mpi; beside them the same collectives on the same buffers with raw mpi4py (an
-mpiexec job, which also times monarch's shared-memory transport on bare ranks), torch.distributed gloo under
-torchrun, and one process's memcpy of 64 MiB. Medians of 5 (3 with --quick). Bus bandwidth follows
-NCCL-tests: all_reduce 2(n-1)/n * bytes/t, all_gather and reduce_scatter (n-1)/n * bytes/t.
+(shared memory here) and =mpi, and with MONARCH_COLLECTIVES=torch (gloo through torch.distributed); beside
+them the same collectives on the same buffers with raw mpi4py (an mpiexec job, which also times monarch's
+shared-memory transport on bare ranks), torch.distributed gloo under torchrun, and one process's memcpy of 64 MiB.
+Medians of 5 (3 with --quick). Bus bandwidth follows NCCL-tests: all_reduce 2(n-1)/n * bytes/t, all_gather and
+reduce_scatter (n-1)/n * bytes/t.
 
 one-sided: RDMABuffer.read_into / write_from of 4 KiB, 1 MiB and 64 MiB between actors of two meshes of this
 host, by cross-memory attach (shm), the owner's TCP door and MPI RMA windows (mpi: a pair joined on the
@@ -46,6 +47,7 @@ MIB = 1 << 20
 TIMEOUT = 300
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 BASELINES = ("raw mpi4py", "gloo (torchrun)")  # the raw transports monarch is compared with
+FLAGS = (("MONARCH_TRANSPORT", "auto"), ("MONARCH_TRANSPORT", "mpi"), ("MONARCH_COLLECTIVES", "torch"))  # its rows
 
 
 def busbw(kind: str, n: int, nbytes: int, seconds: float) -> float:
@@ -66,14 +68,14 @@ def median_time(fn: Callable[[], None], reps: int, before: Callable[[], None] = 
 
 # -- monarch ---------------------------------------------------------------------------------------------
 
-def monarch_times(n: int, nbytes: int, reps: int, transport: str) -> dict[str, float]:
+def monarch_times(n: int, nbytes: int, reps: int, flags: dict[str, str]) -> dict[str, float]:
     import torch
 
     import monarch
     from monarch import Partial, Replicate, Shard
     from monarch.actor import this_host
 
-    env = {"MONARCH_TRANSPORT": transport, "MONARCH_HEARTBEAT_TIMEOUT": "60"}
+    env = {**flags, "MONARCH_HEARTBEAT_TIMEOUT": "60"}
     with this_host().spawn_procs(per_host={"x": n}, env=env) as procs:
         data = torch.ones(nbytes // 4)
         ways = {"all_reduce": ({"x": Partial()}, {"x": Replicate()}),
@@ -176,7 +178,7 @@ def collectives(args: argparse.Namespace) -> None:
     print(f"memcpy {args.mib} MiB, one process: {copy * 1e3:.1f} ms, {nbytes / copy / 1e9:.2f} GB/s\n")
     rows, goals = [], []
     for n in args.ranks:
-        ways = {f"monarch, MONARCH_TRANSPORT={t}": monarch_times(n, nbytes, reps, t) for t in ("auto", "mpi")}
+        ways = {f"monarch, {k}={v}": monarch_times(n, nbytes, reps, {k: v}) for k, v in FLAGS}
         ways.update(job([mpiexec, "-n", str(n), *me, "--worker", "mpi"], n))
         ways.update(job([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                          *me[1:], "--worker", "gloo"], n))
