@@ -1,8 +1,8 @@
 """Collectives through torch.distributed (gloo on CPU, the code path NCCL takes for CUDA tensors): on bare ranks
 against the MPI transport (torchdist_check.py, 2 and 4 ranks); on a 2x2 mesh run with MONARCH_COLLECTIVES=torch,
-every collective kind on uneven shards of several dtypes, random redistributions, a compiled training step's
-bucketed all_reduce and a DCP checkpoint saved and resumed on views of the mesh, each equal to plain torch, with
-the collectives table naming torch-gloo as what ran.
+every collective kind on uneven shards of several dtypes and on empty ones, random redistributions, a compiled
+training step's bucketed all_reduce and a DCP checkpoint saved and resumed on views of the mesh, each equal to
+plain torch, with the collectives table naming torch-gloo as what ran.
 """
 from __future__ import annotations
 
@@ -65,6 +65,18 @@ def test_every_kind_on_uneven_shards(mesh: ProcMesh, dtype: torch.dtype) -> None
     kinds = ran(mesh, since)
     assert set(kinds) == (KINDS if dtype != torch.bool else {"all_gather", "all_to_all"}), kinds
     assert set.union(*kinds.values()) == {"torch-gloo"}, kinds
+
+
+def test_empty_pieces(mesh: ProcMesh) -> None:
+    """Every kind of redistribution of empty tensors, and a Partial sum of empty rows to Shard and Replicate."""
+    for shape, placements in [((0, 3), {"tp": Shard(0)}), ((0, 3), {"dp": Shard(0), "tp": Shard(0)}),
+                              ((2, 0), {"tp": Shard(1)})]:
+        t = monarch.distribute_tensor(torch.randn(shape), mesh, placements)
+        assert t.redistribute({}).full_tensor(timeout=T).shape == shape
+        assert t.redistribute({"dp": Shard(1)}).full_tensor(timeout=T).shape == shape
+    s = monarch.distribute_tensor(torch.ones(2, 0, 3), mesh, {"dp": Shard(0)}).sum(0)
+    assert s.redistribute({"dp": Shard(0)}).full_tensor(timeout=T).shape == (0, 3)
+    assert s.redistribute({}).full_tensor(timeout=T).shape == (0, 3)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
