@@ -9,8 +9,9 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from monarch.errors import (ActorError, CheckpointError, MeshError, MonarchError, RemoteError, ShapeError,
-                            ShardingError, SpawnError, SupervisionError, TraceError, TransportError, UnsupportedOpError)
+from monarch.errors import (ActorError, CheckpointError, DeviceError, MeshError, MonarchError, RemoteError,
+                            ShapeError, ShardingError, SpawnError, SupervisionError, TraceError, TransportError,
+                            UnsupportedOpError)
 
 if TYPE_CHECKING:  # what _LAZY loads on first use, visible to type checkers and IDEs (names in __all__)
     from monarch.graph.rules.table import register_rule  # noqa: F401
@@ -42,8 +43,9 @@ _LAZY = {
 }
 
 __all__ = [
-    "ActorError", "CheckpointError", "MeshError", "MonarchError", "RemoteError", "ShapeError", "ShardingError",
-    "SpawnError", "SupervisionError", "TraceError", "TransportError", "UnsupportedOpError", "__version__", *_LAZY,
+    "ActorError", "CheckpointError", "DeviceError", "MeshError", "MonarchError", "RemoteError", "ShapeError",
+    "ShardingError", "SpawnError", "SupervisionError", "TraceError", "TransportError", "UnsupportedOpError",
+    "__version__", *_LAZY,
 ]
 
 

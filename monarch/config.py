@@ -42,10 +42,15 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_WORKER_THREADS", "0", "torch intra-op threads per worker (0: the host's cores over its workers)"),
     Flag("MONARCH_BUCKET_BYTES", str(4 << 20), "compiled steps: all_reduces start early and share buckets up to "
          "this size (0: run them where they are, blocking)"),
+    Flag("MONARCH_DEVICE", "auto", "device type of a worker's tensors (spawn_procs(device=) sets it for its workers): "
+         "auto (cuda where every rank of a host has a GPU of its own), cpu or cuda"),
+    Flag("MONARCH_SHARE_GPUS", "0", "1 lets a CUDA mesh put more processes on a host than it has GPUs (they take "
+         "the GPUs in turn; collectives then go through MPI, as NCCL refuses two ranks on one GPU)"),
     Flag("MONARCH_TRANSPORT", "auto", "data plane of tensor collectives: auto (shared memory for a group whose "
          "ranks share a host, MPI across hosts), mpi, or shm (every group must be on one host)"),
     Flag("MONARCH_COLLECTIVES", "auto", "what runs tensor collectives: auto (torch.distributed's NCCL for CUDA "
-         "tensors, MONARCH_TRANSPORT's choice for CPU tensors), mpi (MONARCH_TRANSPORT's choice; no CUDA tensors), "
+         "tensors, MONARCH_TRANSPORT's choice for CPU tensors, and for CUDA tensors through host memory where NCCL "
+         "cannot run: no NCCL, GPUs shared), mpi (MONARCH_TRANSPORT's choice; CUDA tensors through host memory), "
          "or torch (torch.distributed for every collective: gloo for CPU tensors, NCCL for CUDA tensors)"),
     Flag("MONARCH_TELEMETRY", "1", "0 turns off recording of telemetry events (messages, programs, failures, ...)"),
     Flag("MONARCH_PROFILE", "0", "1 records the time of every tensor instruction on the workers (ops table)"),
@@ -90,6 +95,8 @@ EXTERNAL: dict[str, Flag] = {f.name: f for f in [
          "where they include an RDMA one (rc, dc, ud)"),
     Flag("UCX_NET_DEVICES", "", "the devices UCX may use (local meshes set lo); likewise read for that choice"),
     Flag("MPI_LOCALNRANKS", "1", "ranks of the MPI job on this host (MPICH's Hydra), to share its cores"),
+    Flag("MPI_LOCALRANKID", "0", "this worker's index among the ranks of its host (MPICH's Hydra): the GPU it binds"),
+    Flag("CUDA_VISIBLE_DEVICES", "", "the GPUs a process may use, as CUDA reads it (unset: every GPU of the host)"),
     Flag("XDG_RUNTIME_DIR", "", "where the admin endpoint announces itself (default: the temp dir)"),
     Flag("PYTHONBREAKPOINT", "", "on workers: 0 disables breakpoint(); unset (or pdb.set_trace) pauses the rank in "
          "a pdb that `monarch debug` attaches to; another debugger is called as Python does"),
@@ -252,6 +259,21 @@ def max_local_procs() -> int:
 
 def attach_bytes() -> int:
     return _int("MONARCH_ATTACH_BYTES")
+
+
+def device() -> str:
+    """MONARCH_DEVICE: auto, cpu or cuda."""
+    return _parse("MONARCH_DEVICE", _choice("auto", "cpu", "cuda"))
+
+
+def share_gpus() -> bool:
+    return _bool("MONARCH_SHARE_GPUS")
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """The GPUs CUDA_VISIBLE_DEVICES names (None when it is unset: every GPU of the host)."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if raw is None else [d.strip() for d in raw.split(",") if d.strip()]
 
 
 def rdma_backend() -> str:

@@ -22,6 +22,11 @@ class ShapeError(ShardingError, RuntimeError):
     """An op got inputs whose global shapes or dtypes do not fit (raised on the controller, as torch would)."""
 
 
+class DeviceError(ShardingError, RuntimeError):
+    """Tensors on different devices met in one op, or a device the mesh does not have was asked for (raised
+    on the controller, where torch would raise its RuntimeError)."""
+
+
 class TraceError(MonarchError):
     """A compiled step did something that cannot be recorded once and replayed (a sync point inside it)."""
 

@@ -277,7 +277,11 @@ class MeshView:
 
 
 class MeshLike(Protocol):
-    """A mesh MeshTensors live on (a ProcMesh view, a LocalMesh): named dims over ranks, as MeshView has."""
+    """A mesh MeshTensors live on (a ProcMesh view, a LocalMesh): named dims over ranks, as MeshView has, and
+    the device type of its workers' tensors (cpu or cuda)."""
+
+    @property
+    def device(self) -> str: ...
 
     @property
     def extent(self) -> Extent: ...

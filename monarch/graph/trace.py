@@ -25,6 +25,7 @@ from monarch.graph.rules.table import Emit, OpCall, writes_first_arg
 from monarch.graph.rules.view import COPYING_VIEWS
 from monarch.program.instr import Buf, Instr, Local
 from monarch.shape import Extent
+from monarch.tensor.device import plain_device, result_device, without_index
 from monarch.tensor.meshtensor import Backend, MeshTensor
 from monarch.tensor.placement import Placements, Replicate
 from monarch.tensor.random import next_seed
@@ -216,7 +217,7 @@ class Tracer:
         """The op's node, reading the buffers `srcs` (the inputs as placed for it); its outputs."""
         bufs, d = iter([Buf(i) for _, i in srcs]), entry.decision
         node, ids = self.node(func, tuple(n for n, _ in srcs), d.outs, d.emit or Emit.default, _substitute(args, bufs),
-                              _substitute(kwargs, bufs) if kwargs else {}, entry.call, d.ins)
+                              _substitute(without_index(kwargs), bufs) if kwargs else {}, entry.call, d.ins)
         if entry.seeded:
             self.seeded(node)
         return [self.wrap(spec, node, i) for spec, i in zip(d.outs, ids, strict=True)]
@@ -260,10 +261,10 @@ class Tracer:
         if t is dict:
             return {k: self.constants(v) for k, v in obj.items()}
         if isinstance(obj, torch.Tensor) and t is not MeshTensor:
-            data = obj.detach().clone()
-            spec = spec_of(data, (Replicate(),) * len(self.mesh), self.mesh)
+            data, on = obj.detach().cpu().clone(), plain_device(obj, self.backend.mesh.device)
+            spec = spec_of(data, (Replicate(),) * len(self.mesh), self.mesh, on)
             node, ids = self.node(constant, (), (spec,),
-                                  lambda ctx: [Local("monarch::constant", (data,), {}, ctx.out_ids)])
+                                  lambda ctx: [Local("monarch::constant", (data, spec.device), {}, ctx.out_ids)])
             return self.wrap(spec, node, ids[0])
         return obj
 
@@ -298,7 +299,8 @@ class Tracer:
                              "shapes, fix the shapes or dims of the inputs") from None
         flat, build = _structure(func, result)
         R = (Replicate(),) * len(self.mesh)
-        outs = tuple(spec_of(m, R, self.mesh) for m in flat)
+        device = result_device(func.name(), args, kwargs, [t._spec for t in ins], self.backend.mesh.device)
+        outs = tuple(spec_of(m, R, self.mesh, device) for m in flat)
         placed = iter([t._spec for t in ins])
         call = OpCall(func, _substitute(args, placed), _substitute(kwargs, placed) if kwargs else {},
                       tuple(t._spec for t in ins), outs)

@@ -60,7 +60,17 @@ class RDMABuffer:
 
     def read_into(self, dst: LocalMemory, *, offset: int = 0, timeout: float = 3) -> Future[None]:
         """Copy the buffer's bytes from `offset` to its end into the start of `dst` (a contiguous tensor or
-        memoryview of at least that many bytes)."""
+        memoryview of at least that many bytes; a GPU tensor through pinned host memory)."""
+        if _on_gpu(dst, "RDMABuffer.read_into"):
+            assert isinstance(dst, torch.Tensor)
+            n = max(self.size() - offset, 0)
+            host = torch.empty(max(dst.nbytes, n), dtype=torch.uint8, pin_memory=True)
+            inner = self.read_into(host, offset=offset, timeout=timeout)
+
+            def staged() -> None:
+                inner.get()
+                _flat(dst)[:n].copy_(host[:n])
+            return _run("read_into", staged, dst)
         addr, room = region(dst, "RDMABuffer.read_into")
         n = self.size() - offset
         if room < n or offset < 0:
@@ -70,7 +80,14 @@ class RDMABuffer:
         return _run("read_into", lambda: onesided.read(self._handle, offset, addr, n, timeout), dst)
 
     def write_from(self, src: LocalMemory, *, offset: int = 0, timeout: float = 3) -> Future[None]:
-        """Copy all of `src` into the buffer from `offset`."""
+        """Copy all of `src` into the buffer from `offset` (a GPU tensor through host memory, copied when the
+        transfer runs)."""
+        if _on_gpu(src, "RDMABuffer.write_from"):
+            assert isinstance(src, torch.Tensor)
+            if offset < 0 or offset + src.nbytes > self.size():
+                raise ValueError(f"RDMABuffer.write_from: {src.nbytes} bytes at offset {offset} do not fit the "
+                                 f"buffer's {self.size()} bytes")
+            return _run("write_from", lambda: self.write_from(src.cpu(), offset=offset, timeout=timeout).get(), src)
         addr, n = region(src, "RDMABuffer.write_from")
         if offset < 0 or offset + n > self.size():
             raise ValueError(f"RDMABuffer.write_from: {n} bytes at offset {offset} do not fit the buffer's "
@@ -150,6 +167,20 @@ class RDMAAction:
             if errors:
                 raise errors[0]
         return _run("submit", all_of)
+
+
+def _on_gpu(data: LocalMemory, what: str) -> bool:
+    """Whether `data` is a CUDA tensor, which a transfer stages through host memory (it must be contiguous)."""
+    if not (isinstance(data, torch.Tensor) and data.is_cuda):
+        return False
+    if not data.is_contiguous():
+        raise ValueError(f"{what}: the tensor is not contiguous (shape {tuple(data.shape)}, stride {data.stride()}); "
+                         "pass t.contiguous() or a contiguous view")
+    return True
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
 
 
 _SHARING = ("write_remote", "read_into")  # transfers that may share local bytes with one of their kind

@@ -29,6 +29,7 @@ import torch
 
 from monarch.tensor import data_dependent, dynamo
 from monarch.tensor.data_dependent import whole
+from monarch.tensor.device import gpu_named, made_then_moved
 from monarch.tensor.ops import READS_DATA, WHOLE
 
 Op = torch._ops.OpOverload
@@ -54,6 +55,8 @@ def torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
     """Step 1: `func` taken whole when it applies, else run as plain torch (its results not wrapped again)."""
     if torch.compiler.is_compiling():
         dynamo.refuse_one_graph()
+    if gpu_named(kwargs) and func not in WHOLE:
+        return made_then_moved(func, args, kwargs, torch_function)
     if func in WHOLE:
         out = WHOLE[func](*args, **kwargs)
         if out is not NotImplemented:

@@ -77,6 +77,20 @@ class MeshTensor(torch.Tensor):
     def placements(self) -> tuple[Placement, ...]:
         return self._spec.placements
 
+    @property  # type: ignore[override]
+    def device(self) -> torch.device:
+        """Where the workers keep the pieces: cpu, or cuda (each worker's own GPU). To torch's C++ code the
+        controller-side wrapper is a CPU tensor, so autograd needs no CUDA on the controller."""
+        return torch.device(self._spec.device)
+
+    @property  # type: ignore[override]
+    def is_cuda(self) -> bool:
+        return self._spec.device == "cuda"
+
+    @property  # type: ignore[override]
+    def is_cpu(self) -> bool:
+        return self._spec.device == "cpu"
+
     @property
     def spec(self) -> Spec:
         return self._spec

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from monarch.tensor import attention, setitem
+from monarch.tensor.device import cpu as to_cpu, cuda as to_cuda, to as to_device
 
 
 @torch.library.custom_op("monarch::matmul", mutates_args=())
@@ -116,8 +117,9 @@ def batched(a: object, b: object) -> bool:
 
 
 READS_DATA = frozenset([torch.tensor_split, torch.Tensor.tensor_split])  # read an index tensor's values in C++
-WHOLE: dict[Any, Any] = {  # composite ops that would merge a sharded batch dim with another dim
+WHOLE: dict[Any, Any] = {  # composite ops that would merge a sharded batch dim with another dim, and moves
     torch.nn.functional.linear: linear_call,
+    torch.Tensor.to: to_device, torch.Tensor.cpu: to_cpu, torch.Tensor.cuda: to_cuda,
     torch.nn.functional.multi_head_attention_forward: attention.multi_head_attention_forward,
     torch.Tensor.__setitem__: setitem.assign,  # along a sharded dim
 }

@@ -1,7 +1,7 @@
 """What the compiler knows about a mesh tensor: its Spec over an abstract mesh (`monarch.shape.Extent`).
 
-A Spec is a global shape, stride and dtype plus one placement per mesh dim; it is all that tracing,
-propagation and partitioning see. Local shard shapes are derived from it per mesh coordinate.
+A Spec is a global shape, stride, dtype and device type plus one placement per mesh dim; it is all that
+tracing, propagation and partitioning see. Local shard shapes are derived from it per mesh coordinate.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class Spec:
     dtype: torch.dtype
     placements: Placements
     mesh: Extent
+    device: str = "cpu"  # where the workers keep the pieces: cpu, or cuda (each worker's own GPU)
 
     @property
     def ndim(self) -> int:
@@ -37,11 +38,12 @@ class Spec:
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")
         if h is None:
-            h = self.__dict__["_hash"] = hash((self.shape, self.stride, self.dtype, self.placements, self.mesh))
+            h = self.__dict__["_hash"] = hash((self.shape, self.stride, self.dtype, self.placements, self.mesh,
+                                               self.device))
         return h
 
     def with_placements(self, placements: Placements) -> Spec:
-        return Spec(self.shape, self.stride, self.dtype, placements, self.mesh)
+        return Spec(self.shape, self.stride, self.dtype, placements, self.mesh, self.device)
 
     def bounds(self, coords: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         return local_bounds(self.shape, self.placements, self.mesh.sizes, coords)
@@ -57,8 +59,9 @@ class Spec:
 
     def __repr__(self) -> str:
         ps = ", ".join(map(repr, self.placements))
-        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}[{ps}]"
+        on = "" if self.device == "cpu" else f"@{self.device}"
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}[{ps}]{on}"
 
 
-def spec_of(meta: torch.Tensor, placements: tuple[Placement, ...], mesh: Extent) -> Spec:
-    return Spec(tuple(meta.shape), tuple(meta.stride()), meta.dtype, placements, mesh)
+def spec_of(meta: torch.Tensor, placements: tuple[Placement, ...], mesh: Extent, device: str = "cpu") -> Spec:
+    return Spec(tuple(meta.shape), tuple(meta.stride()), meta.dtype, placements, mesh, device)

@@ -52,7 +52,9 @@ def resized(ctx: Emit, name: str | None = None) -> list[Local]:
 
 
 def random_piece(ctx: Emit, kind: str, spec: Spec, kwargs: dict[str, Any], out: int) -> Local:
-    """Buffer `out` := this rank's piece of the op's global random tensor of `spec`'s shape."""
+    """Buffer `out` := this rank's piece of the op's global random tensor of `spec`'s shape, on its device."""
+    if spec.device != "cpu":
+        kwargs = {**kwargs, "device": spec.device}
     return Local("monarch::random", (kind, spec.shape, spec.bounds(ctx.coords), ctx.seed, kwargs), {}, (out,))
 
 

@@ -18,6 +18,7 @@ from monarch.runtime.actors.actor_mesh import resolved
 from monarch.runtime.actors.context import context
 from monarch.runtime.actors.proc_mesh import Hold, ProcMesh, ask
 from monarch.runtime.control import launch
+from monarch.runtime.control.bootstrap import visible_gpus
 from monarch.runtime.control.handlers import requests
 from monarch.runtime.control.client import client
 from monarch.runtime.control.commands import SpawnProcs
@@ -82,7 +83,8 @@ class HostMesh(MeshView):
         return type(self)(hosts, self._launcher.subset(hosts))
 
     def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str | None = None,
-                    env: dict[str, str] | None = None, host: str | None = None) -> ProcMesh:
+                    env: dict[str, str] | None = None, host: str | None = None,
+                    device: str | None = None) -> ProcMesh:
         """Start one worker per point of `per_host` on every host, as one MPI job, named `name` (default:
         procs, procs_1, procs_2, ... in the order they start).
 
@@ -91,11 +93,17 @@ class HostMesh(MeshView):
         host's address on the route to the first host otherwise); workers are told MONARCH_ADVERTISE, or
         that address (the route's when `host` is a wildcard such as 0.0.0.0). Inside an actor the
         controller starts it, and that actor owns it (stopping the actor's mesh stops it too).
+
+        `device` is the device type of the mesh's tensors (`procs.device`): "cuda" binds each worker to a GPU
+        of its host (its local rank's, among those CUDA_VISIBLE_DEVICES shows), "cpu" keeps tensors in host
+        memory; the default (MONARCH_DEVICE, else auto) is cuda where each process of a host can have a GPU
+        of its own, cpu otherwise.
         """
         shape = self._procs_shape(dict(per_host or {"gpus": 1}))
         _check_local_size(shape, self._local)
+        wanted = _device(device, shape, self._local)
         op = SpawnProcs(name or "", shape, self._launcher_key(), tuple(env.items()) if env is not None else None,
-                        host)
+                        host, device=wanted)
         info = ask(op).get(config.spawn_timeout() + SPAWN_SLACK_S)
         procs = ProcMesh(info, hold=Hold(info) if client().is_controller else None)
         self._procs.add(procs)
@@ -145,6 +153,19 @@ def _check_local_size(shape: Shape, local: bool) -> None:
                          f"{os.cpu_count()} cores): spawn fewer processes, or raise MONARCH_MAX_LOCAL_PROCS")
 
 
+def _device(device: str | None, shape: Shape, local: bool) -> str:
+    """spawn_procs's device, checked: a CUDA mesh on this host alone needs a GPU here (checked before mpiexec)."""
+    wanted = config.device() if device is None else str(device).lower()
+    if wanted not in ("auto", "cpu", "cuda"):
+        raise SpawnError(f"spawn_procs(device={device!r}): the device type is 'cpu' or 'cuda' (or None: cuda where "
+                         "each process can have a GPU of its own)")
+    if wanted == "cuda" and local and visible_gpus() == 0:
+        raise SpawnError(f"spawn_procs(device='cuda') of {len(shape)} processes: this host has no GPU that CUDA "
+                         "may use (no NVIDIA device, or CUDA_VISIBLE_DEVICES hides them); use device='cpu' (or "
+                         "leave it unset), or spawn on hosts with GPUs")
+    return wanted
+
+
 def this_host() -> HostMesh:
     """The machine the controller runs on, its ranks forked by mpiexec."""
     return HostMesh(["localhost"], launch.LocalLauncher())
@@ -182,11 +203,7 @@ def sim_proc_mesh(*, gpus: int | None = None, hosts: int = 1) -> ProcMesh:
 
 def _local_devices() -> int:
     """The CUDA devices this host shows (CUDA_VISIBLE_DEVICES, else nvidia's device files), at least 1."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return max(1, len([d for d in visible.split(",") if d.strip()]))
-    return max(1, len([n for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit()])
-               if os.path.isdir("/dev") else 1)
+    return max(1, visible_gpus())
 
 
 def shutdown_context() -> Future[None]:

@@ -96,6 +96,11 @@ class ProcMesh(MeshView):
         return self._info.mesh_id
 
     @property
+    def device(self) -> str:
+        """The device type of the mesh's tensors: "cuda" (each worker bound to a GPU) or "cpu"."""
+        return self._info.device
+
+    @property
     def max_frame(self) -> int:
         """The largest frame the job's workers accept (known on the controller)."""
         assert self._mesh is not None, f"max_frame of {self.name!r} outside the controller"

@@ -4,7 +4,9 @@ The process mpiexec starts forks. The child becomes the worker (it joins MPI and
 plane); the parent stays a small monitor that prefixes the child's output with its mesh coordinates and,
 if the child dies abnormally, reports the exit status to the controller before exiting with it. The mesh
 token comes from this rank's token file (`--token-dir`, read and deleted at once), never from the
-environment or the command line, on every host (launch.TokenHandover).
+environment or the command line, on every host (launch.TokenHandover). The Hello says how many GPUs the
+worker sees, and `mesh_device` is the one rule by which the controller and each worker agree on the mesh's
+device type.
 """
 from __future__ import annotations
 
@@ -100,6 +102,25 @@ def take_token(path: str) -> bytes:
     return token
 
 
+def visible_gpus() -> int:
+    """How many GPUs this process may use: those CUDA_VISIBLE_DEVICES names, else the host's NVIDIA device files
+    (no CUDA call, so no GPU context is made)."""
+    named = config.cuda_visible_devices()
+    if named is not None:
+        return 0 if named[:1] == ["-1"] else len(named)
+    with suppress(OSError):
+        return len([n for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit()])
+    return 0
+
+
+def mesh_device(wanted: str, gpus: int, local_ranks: int) -> str:
+    """The device type of a rank's tensors, from MONARCH_DEVICE (`wanted`), the GPUs it sees and how many ranks
+    of its mesh share its host: auto means cuda when each of those ranks can have a GPU of its own."""
+    if wanted == "auto":
+        return "cuda" if gpus >= local_ranks > 0 else "cpu"
+    return wanted
+
+
 def start(argv: list[str]) -> Boot:
     """Returns only in the worker child; the monitor parent exits with the child's status."""
     launch = parse(argv)
@@ -124,7 +145,8 @@ def start(argv: list[str]) -> Boot:
     world.Barrier()  # every rank of the job, so of this host, attached MPICH's shared memory
     _unlink_shared_memory()
     sock = _connect_back(launch)
-    sock.sendall(launch.header(ROLE_WORKER) + encode_frame([Hello(os.getpid(), socket.gethostname(), os.getppid())]))
+    hello = Hello(os.getpid(), socket.gethostname(), os.getppid(), visible_gpus())
+    sock.sendall(launch.header(ROLE_WORKER) + encode_frame([hello]))
     return Boot(sock, launch.rank, launch.mesh_id)
 
 

@@ -26,6 +26,7 @@ class Hello:
     pid: int
     host: str
     monitor: int = 0  # the pid of its monitor (its parent), the process the launcher started
+    gpus: int = 0  # the GPUs it may use (bootstrap.visible_gpus)
 
 
 @dataclass(frozen=True)
@@ -275,6 +276,7 @@ class ProcsInfo:
     shape: Shape
     hosts: tuple[str, ...]
     pids: tuple[int, ...]
+    device: str = "cpu"  # the device type of its tensors: cpu or cuda
 
 
 @dataclass(frozen=True)
@@ -303,6 +305,7 @@ class SpawnProcs:
     host: str | None = None
     call_id: int = 0
     actor: str = ""
+    device: str = "auto"  # auto, cpu or cuda (MONARCH_DEVICE of its workers)
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,8 @@ class Job:
         self.conns: list[Conn | None] = [None] * len(shape)
         self.pids: list[int] = [0] * len(shape)
         self.monitors: list[int] = [0] * len(shape)  # each rank's monitor, the process the launcher started
+        self.gpus: list[int] = [0] * len(shape)  # the GPUs each rank may use, as its Hello says
+        self.device = "cpu"  # its tensors' device type, once every rank said hello
         self.pending: dict[tuple[int, int], CallState | ForwardSink | TelemetrySink] = {}
         self.actors: dict[str, Owner | None] = {}  # actor mesh name -> the actor that spawned it (None: the client)
         self.owner: Owner | None = None  # the actor that spawned this proc mesh (None: the client)

@@ -218,7 +218,7 @@ def _reply(_ctl: Controller, conn: Conn, msg: Reply) -> None:
 def _hello(_ctl: Controller, conn: Conn, msg: Hello) -> None:
     mesh, header = conn.mesh, conn.header
     assert mesh is not None and header is not None
-    mesh.pids[header.rank], mesh.monitors[header.rank] = msg.pid, msg.monitor
+    mesh.pids[header.rank], mesh.monitors[header.rank], mesh.gpus[header.rank] = msg.pid, msg.monitor, msg.gpus
     mesh.hosts[header.rank] = msg.host
     RECORDER.add("procs", (header.rank, mesh.name, msg.pid, msg.host, "started", "", now_us()))
     if mesh.heartbeat > 0:

@@ -5,7 +5,8 @@ destination rank reads the byte spans it needs (`pull`). A compiled step keeps o
 source rank and crossing instead: every call the source copies its piece in and raises the stage's sequence
 number (`stage_out`), once each reader has acknowledged the previous call; each reader waits for that number,
 reads its spans and writes its acknowledgement into the stage (`stage_in`). The two meshes' programs run at
-once, each waiting only where the data must arrive.
+once, each waiting only where the data must arrive. Pieces on a GPU travel through host memory (registered
+memory is host memory here): a source copies its piece to the host, a destination what it read to its GPU.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class Export:
     """A piece registered for other meshes' ranks to read; it answers the controller with its handle."""
 
     def __init__(self, x: torch.Tensor) -> None:
-        self.piece = x.contiguous()
+        self.piece = x.contiguous() if x.device.type == "cpu" else x.to("cpu")
         self.handle = onesided.register(_bytes(self.piece), "to_mesh")
 
     def __reduce__(self) -> tuple:
@@ -44,11 +45,11 @@ def export(x: torch.Tensor) -> tuple[Export]:
     return (Export(x),)
 
 
-def pull(shape: tuple[int, ...], dtype: torch.dtype, reads: tuple[Read, ...]) -> torch.Tensor:
-    """This rank's piece of a tensor from another mesh."""
+def pull(shape: tuple[int, ...], dtype: torch.dtype, reads: tuple[Read, ...], device: str = "cpu") -> torch.Tensor:
+    """This rank's piece of a tensor from another mesh, on `device`."""
     out = torch.empty(shape, dtype=dtype)
     fill(out, reads, 0)
-    return out
+    return out.to(device)
 
 
 def fill(out: torch.Tensor, reads: tuple[Read, ...], base: int) -> None:
@@ -113,7 +114,7 @@ def stage_out(site: int, x: torch.Tensor) -> tuple[()]:
 
 
 def stage_in(shape: tuple[int, ...], dtype: torch.dtype, site: int,
-             sources: tuple[tuple[Handle, int, int, tuple[Read, ...]], ...]) -> torch.Tensor:
+             sources: tuple[tuple[Handle, int, int, tuple[Read, ...]], ...], device: str = "cpu") -> torch.Tensor:
     """This rank's piece of crossing `site`: from each source stage (handle, its readers, this rank's
     acknowledgement slot, the reads), once it holds data newer than what this rank read last; then the
     acknowledgement. (A source whose program failed before its stage fails this call after the wait, and the
@@ -127,7 +128,7 @@ def stage_in(shape: tuple[int, ...], dtype: torch.dtype, site: int,
         fill(out, reads, _header(readers))
         _SEEN[(site, i)] = int(word[0])
         onesided.write(handle, 8 * (1 + slot), word.data_ptr(), 8, timeout)
-    return out
+    return out.to(device)
 
 
 def _word(handle: Handle, offset: int, into: torch.Tensor, timeout: float) -> int:

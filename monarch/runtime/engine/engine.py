@@ -35,6 +35,18 @@ class Transport(Protocol):
     def name(self, mdim: int) -> str: ...
 
 
+def _allocator(e: Exception) -> str:
+    """For a CUDA out-of-memory error: the caching allocator's figures on this rank's GPU."""
+    if not isinstance(e, torch.OutOfMemoryError) or not torch.cuda.is_initialized():
+        return ""
+    d = torch.cuda.current_device()
+    gib = [torch.cuda.memory_allocated(d), torch.cuda.memory_reserved(d), torch.cuda.max_memory_allocated(d),
+           torch.cuda.get_device_properties(d).total_memory]
+    a, r, p, total = (f"{n / (1 << 30):.2f}" for n in gib)
+    return (f" [cuda:{d}: {a} GiB allocated by tensors, {r} GiB reserved by the caching allocator, peak {p} GiB, "
+            f"{total} GiB on the device; the failed op's outputs are poisoned, the mesh goes on]")
+
+
 @dataclass(frozen=True)
 class Poison:
     """Stored in place of a tensor whose computation failed."""
@@ -116,7 +128,7 @@ class Engine:
         return obj
 
     def _fail(self, outs: tuple[int, ...], what: str, e: Exception) -> None:
-        err = RemoteError(f"rank {self.rank} ({self.label}): {what} failed: {type(e).__name__}: {e} "
+        err = RemoteError(f"rank {self.rank} ({self.label}): {what} failed: {type(e).__name__}: {e}{_allocator(e)} "
                           "(monarch.debug() lists what this rank did before)",
                           rank=self.rank, coords=self.label, what=what, remote_traceback=traceback.format_exc(),
                           exc_type=type(e).__name__)

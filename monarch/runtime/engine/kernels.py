@@ -28,9 +28,9 @@ def partialize(x: torch.Tensor, keep: bool, op: str = "sum") -> torch.Tensor:
     return torch.ones_like(x) if op == "prod" else torch.zeros_like(x)
 
 
-def constant(x: torch.Tensor) -> torch.Tensor:
-    """Data shipped by the controller (a distributed tensor's piece)."""
-    return x
+def constant(x: torch.Tensor, device: str = "cpu") -> torch.Tensor:
+    """Data shipped by the controller (a distributed tensor's piece), on the device it is for."""
+    return x if device == "cpu" else x.to(device)
 
 
 def random(kind: str, shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...],
@@ -40,11 +40,13 @@ def random(kind: str, shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...
     if isinstance(seed, tuple):
         seed = (seed[0] * 1_000_003 + int(seed[1])) % (1 << 63)
     gen = torch.Generator().manual_seed(seed)
-    full = RANDOM[kind](shape, gen, **kwargs)
+    kw = dict(kwargs)
+    device = kw.pop("device", "cpu")  # drawn on the host: the same numbers on every device
+    full = RANDOM[kind](shape, gen, **kw)
     for d, (start, n) in enumerate(bounds):
         if (start, n) != (0, shape[d]):
             full = full.narrow(d, start, n)
-    return full.contiguous()
+    return full.contiguous().to(device)
 
 
 RANDOM: dict[str, Callable[..., torch.Tensor]] = {
@@ -54,10 +56,11 @@ RANDOM: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-def arange(start: float, step: float, first: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+def arange(start: float, step: float, first: int, length: int, dtype: torch.dtype, device: str = "cpu"
+           ) -> torch.Tensor:
     """Elements first..first+length of arange(start, ..., step)."""
     return torch.arange(length, dtype=torch.float64 if dtype.is_floating_point else torch.int64).mul_(step).add_(
-        start + first * step).to(dtype)
+        start + first * step).to(dtype=dtype, device=device)
 
 
 _LOCAL_FNS: dict[bytes, Callable[..., Any]] = {}

@@ -18,6 +18,7 @@ from monarch.errors import TransportError
 from monarch.program.instr import Comm, Free, Instr, Start
 from monarch.program.program import assemble
 from monarch.runtime.control import codec
+from monarch.runtime.control.bootstrap import mesh_device, visible_gpus
 from monarch.runtime.control.commands import InstallProgram, InvokeProgram, RunProgram
 from monarch.runtime.engine.engine import Engine, Transport
 from monarch.runtime.engine.transport.mpi import MpiTransport
@@ -31,6 +32,7 @@ class TensorService:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         torch.set_num_threads(threads_per_worker())
+        bind_gpu()
         self.engine = Engine(rank, Transports(self._group, config.transport(), config.collectives()))
         self._view: Shape | None = None
         self._coords: tuple[int, ...] = ()
@@ -82,7 +84,9 @@ class TensorService:
             value: Any = self.engine.fetch(msg.fetch)
         except Exception as e:  # noqa: BLE001 - a remote error is the reply
             return False, codec.dumps(e)
-        if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            value = value.cpu()  # the controller gets host tensors (it needs no CUDA)
+        elif isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
             value = value.clone()  # a view (a slice) would pickle its whole base tensor
         return True, codec.dumps_data(value)
 
@@ -101,6 +105,7 @@ class Transports:
         self.torch = {backend: TorchTransport(group_of, meet, backend) for backend in ("gloo", "nccl")}
         self._local: dict[tuple[int, ...], bool] = {}
         self._ran: dict[int, Transport] = {}  # by mesh dim: the transport of its latest collective
+        self._staged: dict[str, Staged] = {}  # host transports, by name, carrying CUDA tensors
 
     def local(self, ranks: tuple[int, ...]) -> bool:
         """Whether all of `ranks` run on this host (collective over them the first time)."""
@@ -111,11 +116,10 @@ class Transports:
 
     def pick(self, mdim: int, device: torch.device) -> Transport:
         if device.type == "cuda":
-            if self.collectives == "mpi":
-                raise TransportError(f"MONARCH_COLLECTIVES=mpi runs collectives of CPU tensors only, and mesh dim "
-                                     f"{mdim} has a {device} tensor; set MONARCH_COLLECTIVES=auto (NCCL for CUDA "
-                                     "tensors)")
-            return self.torch["nccl"]
+            if self.collectives != "mpi" and nccl_usable():
+                return self.torch["nccl"]
+            host = self.pick(mdim, torch.device("cpu"))
+            return self._staged.setdefault(host.name(mdim), Staged(host))
         if self.collectives == "torch":
             return self.torch["gloo"]
         if self.mode == "mpi":
@@ -141,6 +145,38 @@ class Transports:
         return t.start(ins, flat)
 
 
+class Staged:
+    """A host transport for CUDA tensors where NCCL cannot run them (MONARCH_COLLECTIVES=mpi, GPUs shared by
+    ranks, a torch without NCCL): each piece is copied to pinned host memory, reduced or moved there, and
+    copied back to the GPU. Correct, and as slow as two extra copies make it."""
+
+    def __init__(self, host: Transport) -> None:
+        self.host = host
+
+    def name(self, mdim: int) -> str:
+        return f"{self.host.name(mdim)} (staged from cuda)"
+
+    def __call__(self, ins: Comm, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
+        return self.host(ins, _pinned(x), True).to(x.device)
+
+    def start(self, ins: Start, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
+        finish = self.host.start(ins, _pinned(flat))
+        return lambda: finish().to(flat.device)
+
+
+def _pinned(x: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return host.copy_(x)
+
+
+def nccl_usable() -> bool:
+    """Whether NCCL can run this worker's CUDA collectives: torch has it, and no other rank of this host shares
+    this worker's GPU (NCCL refuses two ranks on one device)."""
+    import torch.distributed as dist
+    shared = int(config.external("MPI_LOCALNRANKS")) > torch.cuda.device_count()
+    return dist.is_available() and dist.is_nccl_available() and not shared
+
+
 def threads_per_worker() -> int:
     """MONARCH_WORKER_THREADS, else this host's cores shared among its workers (MPI_LOCALNRANKS)."""
     n = config.worker_threads()
@@ -148,3 +184,16 @@ def threads_per_worker() -> int:
         return n
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // int(config.external("MPI_LOCALNRANKS")))
+
+
+def bind_gpu() -> None:
+    """On a CUDA mesh (bootstrap.mesh_device, the controller's rule too), make this worker's GPU the current
+    device: its index among its host's ranks, modulo the GPUs it sees (CUDA_VISIBLE_DEVICES applies)."""
+    local_ranks = int(config.external("MPI_LOCALNRANKS"))
+    if mesh_device(config.device(), visible_gpus(), local_ranks) != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"this worker's mesh is a CUDA mesh, but its torch {torch.__version__} cannot use a GPU "
+                           f"(CUDA build: {torch.version.cuda}); install a CUDA build of torch on the workers, or "
+                           "spawn the mesh with device='cpu'")
+    torch.cuda.set_device(int(config.external("MPI_LOCALRANKID")) % torch.cuda.device_count())

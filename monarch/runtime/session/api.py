@@ -27,6 +27,7 @@ from monarch.runtime.engine import kernels
 from monarch.runtime.session import torch_state
 from monarch.runtime.session.session import Session, all_sessions, session_of
 from monarch.shape import MeshLike
+from monarch.tensor.device import device_type
 from monarch.tensor.dynamo import eager_under_torch_compile
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
@@ -34,19 +35,23 @@ from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec
 
 PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
+Device = torch.device | str | int | None
 M = TypeVar("M", bound=MeshLike)
 
 
 def _factory(procs: MeshLike, shape: Sequence[int], dtype: torch.dtype | None, placements: PlacementsArg,
-             make: Callable[[Emit, Spec], Local], what: str, seeded: bool = False) -> MeshTensor:
+             make: Callable[[Emit, Spec], Local], what: str, seeded: bool = False, device: Device = None
+             ) -> MeshTensor:
+    """A new MeshTensor on `device` (default: the mesh's own, as DTensor's factories use its mesh's device)."""
     s = session_of(procs)
     shape = _dims(shape)
     dtype = dtype or torch.get_default_dtype()
     ps = normalize(placements, s.abstract.labels, len(shape), what)
     if any(isinstance(p, Partial) for p in ps):
         raise ShardingError(f"{what}: a new tensor cannot be Partial {ps}; create it Replicate and redistribute")
+    kind = procs.device if device is None else device_type(device, f"monarch.{what}", procs.device)
     meta = torch.empty(shape, dtype=dtype, device="meta")
-    spec = Spec(shape, tuple(meta.stride()), dtype, ps, s.abstract)
+    spec = Spec(shape, tuple(meta.stride()), dtype, ps, s.abstract, kind)
     node, ids = s.tracer.node(FACTORIES[what], (), (spec,), lambda ctx: [make(ctx, spec)])
     if seeded:
         s.tracer.seeded(node)
@@ -60,43 +65,51 @@ def _dims(shape: Sequence[Any]) -> tuple[int, ...]:
 
 @eager_under_torch_compile
 def full(*shape: Any, fill_value: float, mesh: MeshLike, placements: PlacementsArg = None,
-         dtype: torch.dtype | None = None) -> MeshTensor:
+         dtype: torch.dtype | None = None, device: Device = None) -> MeshTensor:
     if dtype is None and isinstance(fill_value, bool):
         dtype = torch.bool
     elif dtype is None and isinstance(fill_value, int):
         dtype = torch.int64
     return _factory(mesh, shape, dtype, placements, lambda ctx, spec: Local(
-        "aten::full", (list(spec.local_shape(ctx.coords)), fill_value), {"dtype": spec.dtype}, ctx.out_ids), "full")
+        "aten::full", (list(spec.local_shape(ctx.coords)), fill_value),
+        {"dtype": spec.dtype, **_on(spec)}, ctx.out_ids), "full", device=device)
+
+
+def _on(spec: Spec) -> dict[str, torch.device]:
+    """The device keyword of a worker-side factory: none for the CPU."""
+    return {} if spec.device == "cpu" else {"device": torch.device(spec.device)}
 
 
 def zeros(*shape: Any, mesh: MeshLike, placements: PlacementsArg = None,
-          dtype: torch.dtype | None = None) -> MeshTensor:
-    return full(*shape, fill_value=0, mesh=mesh, placements=placements, dtype=dtype or torch.get_default_dtype())
+          dtype: torch.dtype | None = None, device: Device = None) -> MeshTensor:
+    return full(*shape, fill_value=0, mesh=mesh, placements=placements, dtype=dtype or torch.get_default_dtype(),
+                device=device)
 
 
 def ones(*shape: Any, mesh: MeshLike, placements: PlacementsArg = None,
-         dtype: torch.dtype | None = None) -> MeshTensor:
-    return full(*shape, fill_value=1, mesh=mesh, placements=placements, dtype=dtype or torch.get_default_dtype())
+         dtype: torch.dtype | None = None, device: Device = None) -> MeshTensor:
+    return full(*shape, fill_value=1, mesh=mesh, placements=placements, dtype=dtype or torch.get_default_dtype(),
+                device=device)
 
 
 def empty(*shape: Any, mesh: MeshLike, placements: PlacementsArg = None,
-          dtype: torch.dtype | None = None) -> MeshTensor:
+          dtype: torch.dtype | None = None, device: Device = None) -> MeshTensor:
     """Like zeros (workers fill new buffers, so no uninitialised memory is ever read)."""
-    return zeros(*shape, mesh=mesh, placements=placements, dtype=dtype)
+    return zeros(*shape, mesh=mesh, placements=placements, dtype=dtype, device=device)
 
 
 def _random(kind: str, shape: Sequence[Any], mesh: MeshLike, placements: PlacementsArg, dtype: torch.dtype | None,
-            generator: torch.Generator | None, **kw: Any) -> MeshTensor:
+            generator: torch.Generator | None, device: Device, **kw: Any) -> MeshTensor:
     """Drawn from monarch.manual_seed's stream on the workers; or, given the user's `generator`, drawn
     with it here (the numbers and generator state plain torch gives) and distributed."""
     if generator is not None:
         _draws_here(mesh, f"monarch.{kind}(..., generator=)")
         data = kernels.RANDOM[kind](_dims(shape), generator, dtype=dtype or torch.get_default_dtype(), **kw)
-        return distribute_tensor(data, mesh, placements)
+        return _copy(data, mesh, placements, device)
 
     def make(ctx: Emit, spec: Spec) -> Local:
         return random_piece(ctx, kind, spec, {"dtype": spec.dtype, **kw}, ctx.out_ids[0])
-    return _factory(mesh, shape, dtype, placements, make, kind, seeded=True)
+    return _factory(mesh, shape, dtype, placements, make, kind, seeded=True, device=device)
 
 
 def _draws_here(mesh: MeshLike, what: str) -> None:
@@ -111,38 +124,40 @@ def _draws_here(mesh: MeshLike, what: str) -> None:
 
 @eager_under_torch_compile
 def randn(*shape: Any, mesh: MeshLike, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
-          generator: torch.Generator | None = None) -> MeshTensor:
-    return _random("randn", shape, mesh, placements, dtype, generator)
+          generator: torch.Generator | None = None, device: Device = None) -> MeshTensor:
+    return _random("randn", shape, mesh, placements, dtype, generator, device)
 
 
 @eager_under_torch_compile
 def rand(*shape: Any, mesh: MeshLike, placements: PlacementsArg = None, dtype: torch.dtype | None = None,
-         generator: torch.Generator | None = None) -> MeshTensor:
-    return _random("rand", shape, mesh, placements, dtype, generator)
+         generator: torch.Generator | None = None, device: Device = None) -> MeshTensor:
+    return _random("rand", shape, mesh, placements, dtype, generator, device)
 
 
 @eager_under_torch_compile
 def randint(low: int, high: int, shape: Sequence[int], *, mesh: MeshLike, placements: PlacementsArg = None,
-            dtype: torch.dtype | None = None, generator: torch.Generator | None = None) -> MeshTensor:
-    return _random("randint", shape, mesh, placements, dtype or torch.int64, generator, low=low, high=high)
+            dtype: torch.dtype | None = None, generator: torch.Generator | None = None, device: Device = None
+            ) -> MeshTensor:
+    return _random("randint", shape, mesh, placements, dtype or torch.int64, generator, device, low=low, high=high)
 
 
 @eager_under_torch_compile
 def arange(start: float, end: float | None = None, step: float = 1, *, mesh: MeshLike, placements: PlacementsArg = None,
-           dtype: torch.dtype | None = None) -> MeshTensor:
+           dtype: torch.dtype | None = None, device: Device = None) -> MeshTensor:
     if end is None:
         start, end = 0, start
     ref = torch.arange(start, end, step, dtype=dtype, device="meta")
 
     def make(ctx: Emit, spec: Spec) -> Local:
         first, length = spec.bounds(ctx.coords)[0]
-        return Local("monarch::arange", (start, step, first, length, spec.dtype), {}, ctx.out_ids)
-    return _factory(mesh, tuple(ref.shape), ref.dtype, placements, make, "arange")
+        return Local("monarch::arange", (start, step, first, length, spec.dtype, spec.device), {}, ctx.out_ids)
+    return _factory(mesh, tuple(ref.shape), ref.dtype, placements, make, "arange", device=device)
 
 
 @eager_under_torch_compile
 def distribute_tensor(tensor: torch.Tensor, mesh: MeshLike, placements: PlacementsArg = None) -> MeshTensor:
-    """A MeshTensor holding a copy of `tensor`'s data, each rank receiving only its own piece.
+    """A MeshTensor holding a copy of `tensor`'s data, each rank receiving only its own piece, on the mesh's
+    device (its GPUs on a CUDA mesh, as DTensor moves a tensor to its mesh's device type).
 
     A Partial placement keeps the data on the first rank of that dim (the others hold the reduction's
     identity), as redistributing a replicated tensor to Partial does. A MeshTensor of `mesh` is
@@ -158,21 +173,23 @@ def distribute_tensor(tensor: torch.Tensor, mesh: MeshLike, placements: Placemen
     return _copy(tensor, mesh, placements).requires_grad_(tensor.requires_grad)
 
 
-def _copy(tensor: torch.Tensor, mesh: MeshLike, placements: PlacementsArg) -> MeshTensor:
-    """distribute_tensor of a plain tensor or of a MeshTensor of another mesh, outside autograd."""
+def _copy(tensor: torch.Tensor, mesh: MeshLike, placements: PlacementsArg, device: Device = None) -> MeshTensor:
+    """distribute_tensor of a plain tensor or of a MeshTensor of another mesh, outside autograd, onto `device`
+    (default: the mesh's)."""
     s = session_of(mesh)
     if isinstance(tensor, MeshTensor):
         tensor = tensor.full_tensor()
     ps = normalize(placements, s.abstract.labels, tensor.ndim, "distribute_tensor")
     whole = tuple(Replicate() if isinstance(p, Partial) else p for p in ps)
-    data = tensor.detach().clone()
+    data = tensor.detach().cpu().clone()
 
     def make(ctx: Emit, spec: Spec) -> Local:
         piece = data
         for d, (start, n) in enumerate(spec.bounds(ctx.coords)):
             piece = piece.narrow(d, start, n)
-        return Local("monarch::constant", (piece.clone(),), {}, ctx.out_ids)
-    return _factory(mesh, tuple(data.shape), data.dtype, whole, make, "distribute_tensor").redistribute(ps)
+        return Local("monarch::constant", (piece.clone(), spec.device), {}, ctx.out_ids)
+    return _factory(mesh, tuple(data.shape), data.dtype, whole, make, "distribute_tensor",
+                    device=device).redistribute(ps)
 
 
 class _Distribute(torch.autograd.Function):
@@ -251,9 +268,11 @@ class _Factories(TorchFunctionMode):
         if func not in _CONSTRUCTORS or kwargs.get("out") is not None:
             return func(*args, **kwargs)
         device = kwargs.get("device")
-        if func not in _DENSE or device is not None:
+        ours = device is not None and torch.device(device).type == "cuda" == self.procs.device  # its GPUs
+        if func not in _DENSE or (device is not None and not ours):
             _warn_plain(func, device)
             return func(*args, **kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
         made = self._native(func, args, kwargs)
         if made is None:
             if func in _RANDOM:

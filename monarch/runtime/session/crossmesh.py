@@ -21,7 +21,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from monarch.runtime.control.futures import Future
-from monarch.shape import Extent
+from monarch.shape import Extent, MeshLike
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, normalize
 from monarch.tensor.spec import Spec
@@ -34,6 +34,7 @@ class Side(Protocol):
     """What a move needs of the sessions of both meshes (session.Session)."""
     abstract: Extent
     capturing: bool
+    mesh: MeshLike
 
     @property
     def live(self) -> bool: ...
@@ -80,23 +81,26 @@ def to_mesh(src: Side, dst: Side, t: MeshTensor, placements: PlacementsArg) -> M
 class _ToMesh(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: MeshTensor, src: Side, dst: Side, placements: PlacementsArg) -> MeshTensor:
-        ctx.back = (dst, src, tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements))
+        ctx.back = (dst, src, tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements), t.device.type)
         return move(src, dst, t, placements)
 
     @staticmethod
     def backward(ctx: Any, grad: MeshTensor) -> tuple[MeshTensor, None, None, None]:
-        dst, src, placements = ctx.back
-        return move(dst, src, grad, placements), None, None, None
+        dst, src, placements, device = ctx.back
+        return move(dst, src, grad, placements, device), None, None, None
 
 
-def move(src: Side, dst: Side, t: MeshTensor, placements: PlacementsArg) -> MeshTensor:
+def move(src: Side, dst: Side, t: MeshTensor, placements: PlacementsArg, device: str | None = None) -> MeshTensor:
+    """The move itself, onto `device` (default: `t`'s device type where `dst`'s mesh has it, else the CPU)."""
     target = normalize(placements, dst.abstract.labels, t.ndim, "to_mesh")
     if src is dst:
         return t.redistribute(target)
     whole = tuple(Replicate() if isinstance(p, Partial) else p for p in target)
     reduced = tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
     source = cast(MeshTensor, t.detach()).redistribute(reduced)
-    out = Spec(tuple(t.shape), tuple(source._spec.stride), t.dtype, whole, dst.abstract)
+    here = t.device.type
+    out = Spec(tuple(t.shape), tuple(source._spec.stride), t.dtype, whole, dst.abstract,
+               device or (here if here in ("cpu", dst.mesh.device) else "cpu"))
     src_coords = list(src.abstract.coords())
     plans = [plan(source._spec, src_coords, out, c, n) for n, c in enumerate(dst.abstract.coords())]
     moved = (_staged if src.capturing else _pulled)(src, dst, source, out, plans)
@@ -109,7 +113,7 @@ def _pulled(src: Side, dst: Side, source: MeshTensor, out: Spec, plans: list[lis
     handles = src.values(exported).get()
 
     def reads_of(n: int, coords: tuple[int, ...]) -> tuple:
-        return (out.local_shape(coords), out.dtype, tuple(r.wire(handles[r.source]) for r in plans[n]))
+        return (out.local_shape(coords), out.dtype, tuple(r.wire(handles[r.source]) for r in plans[n]), out.device)
     moved = dst.on_ranks("monarch::rdma_pull", reads_of, specs=(out,))[0]
     dst.synchronize()
     del exported  # every read is done: the source pieces are unregistered with the source's next program
@@ -133,7 +137,8 @@ def _staged(src: Side, dst: Side, source: MeshTensor, out: Spec, plans: list[lis
         for r in plans[n]:
             by_source.setdefault(r.source, []).append(r.wire(handles[r.source]))
         return (out.local_shape(coords), out.dtype, site, tuple(
-            (handles[i], len(readers[i]), readers[i].index(n), tuple(reads)) for i, reads in by_source.items()))
+            (handles[i], len(readers[i]), readers[i].index(n), tuple(reads)) for i, reads in by_source.items()),
+            out.device)
     return dst.record_on_ranks("monarch::stage_in", sources_of, specs=(out,))[0]
 
 

@@ -41,6 +41,7 @@ def _bucket(engines: list[Engine], programs: tuple[RankProgram, ...], i: int, si
 
 class LocalMesh(MeshView):
     """Named mesh dims simulated in this process."""
+    device = "cpu"
 
     def __init__(self, dims: dict[str, int]) -> None:
         self._shape = Shape.row_major(tuple(dims), tuple(int(n) for n in dims.values()))

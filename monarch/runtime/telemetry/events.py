@@ -33,7 +33,7 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
                     ("bytes", "BIGINT"), ("start_us", "BIGINT"), ("end_us", "BIGINT"), ("transport", "VARCHAR")),
     "memory": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("rss_bytes", "BIGINT"), ("tensor_bytes", "BIGINT"),
                ("buffers", "INTEGER"), ("cuda_allocated_bytes", "BIGINT"), ("cuda_reserved_bytes", "BIGINT"),
-               ("time_us", "BIGINT")),
+               ("time_us", "BIGINT"), ("cuda_peak_bytes", "BIGINT")),
     "logs": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("stream", "VARCHAR"), ("level", "VARCHAR"),
              ("text", "VARCHAR"), ("time_us", "BIGINT")),
     "failures": (("rank", "INTEGER"), ("mesh", "VARCHAR"), ("kind", "VARCHAR"), ("what", "VARCHAR"),
@@ -105,15 +105,16 @@ def rss_bytes() -> int:
         return 0
 
 
-def cuda_bytes() -> tuple[int, int]:
-    """Bytes allocated and reserved by torch's CUDA caching allocator in this process (0, 0 without CUDA
-    in use); never imports torch or initializes CUDA itself."""
+def cuda_bytes() -> tuple[int, int, int]:
+    """Bytes allocated, reserved and at most allocated so far (torch.cuda.max_memory_allocated) by torch's CUDA
+    caching allocator in this process (zeros without CUDA in use); never imports torch or initializes CUDA."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
-        return 0, 0
+        return 0, 0, 0
     devices = range(torch.cuda.device_count())
     return (sum(int(torch.cuda.memory_allocated(d)) for d in devices),
-            sum(int(torch.cuda.memory_reserved(d)) for d in devices))
+            sum(int(torch.cuda.memory_reserved(d)) for d in devices),
+            sum(int(torch.cuda.max_memory_allocated(d)) for d in devices))
 
 
 def error_text(e: BaseException) -> str:
@@ -195,8 +196,9 @@ class Collector:
 
     def _sample_memory(self) -> None:
         tensors = [v for v in self._tensors() if hasattr(v, "nbytes")]
-        RECORDER.add("memory", (self.rank, rss_bytes(), sum(t.nbytes for t in tensors), len(tensors), *cuda_bytes(),
-                                now_us()))
+        allocated, reserved, peak = cuda_bytes()
+        RECORDER.add("memory", (self.rank, rss_bytes(), sum(t.nbytes for t in tensors), len(tensors), allocated,
+                                reserved, now_us(), peak))
         self._sampled = time.monotonic()
 
 

@@ -252,7 +252,8 @@ def test_worker_rows_name_their_mesh(procs: ProcMesh) -> None:
     assert procs.sql("SELECT DISTINCT mesh FROM messages WHERE actor = 'telemetry_mesh'") == [(procs.name,)]
     assert (procs.name,) in procs.sql("SELECT DISTINCT mesh FROM memory")
     if not torch.cuda.is_available():  # the workers never touched CUDA
-        assert procs.sql("SELECT max(cuda_allocated_bytes), max(cuda_reserved_bytes) FROM memory") == [(0, 0)]
+        assert procs.sql("SELECT max(cuda_allocated_bytes), max(cuda_reserved_bytes), max(cuda_peak_bytes) "
+                         "FROM memory") == [(0, 0, 0)]
 
 
 def test_rows_convert_to_arrow_and_pandas_when_installed() -> None:

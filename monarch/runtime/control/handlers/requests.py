@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any, Protocol
 
-from monarch.errors import MeshError, SupervisionError
+from monarch import config
+from monarch.errors import MeshError, SpawnError, SupervisionError
 from monarch.runtime.control import codec, launch
+from monarch.runtime.control.bootstrap import mesh_device
 from monarch.runtime.control.commands import (GetController, MeshRequest, Owner, ProcsInfo, Reply, SpawnActor,
                                               SpawnActors, SpawnProcs, StopProcs)
 from monarch.runtime.control.conn import Conn, Job
@@ -76,7 +79,7 @@ def launcher_of(key: int) -> launch.Launcher:
 
 
 def info_of(mesh: Job) -> ProcsInfo:
-    return ProcsInfo(mesh.id, mesh.name, mesh.shape, tuple(mesh.hosts), tuple(mesh.pids))
+    return ProcsInfo(mesh.id, mesh.name, mesh.shape, tuple(mesh.hosts), tuple(mesh.pids), mesh.device)
 
 
 def serve(ctl: Jobs, source: Conn, op: MeshRequest) -> None:
@@ -108,10 +111,42 @@ def run(ctl: Jobs, op: MeshRequest, owner: Owner | None, answer: Answer) -> None
 def _spawn_procs(ctl: Jobs, op: SpawnProcs, owner: Owner | None) -> ProcsInfo:
     n = next(_unnamed) if not op.name else 0
     name = op.name or ("procs" if n == 0 else f"procs_{n}")
-    env = dict(op.env) if op.env is not None else None
+    env = {**dict(op.env or ()), "MONARCH_DEVICE": op.device}
     mesh = ctl.lifecycle.spawn(name, op.shape, launcher_of(op.launcher), env, op.host)
     mesh.owner = owner
+    try:
+        mesh.device = _device_of(mesh, op.device)
+    except SpawnError:
+        ctl.lifecycle.stop(mesh)
+        raise
     return info_of(mesh)
+
+
+def _device_of(mesh: Job, wanted: str) -> str:
+    """The mesh's device type, as each of its workers decides it (bootstrap.mesh_device); a CUDA mesh where a
+    rank has no GPU, or shares one unasked, or ranks that disagree, raise SpawnError."""
+    per_host = Counter(mesh.hosts)
+    devices = [mesh_device(wanted, g, per_host[h]) for g, h in zip(mesh.gpus, mesh.hosts, strict=True)]
+    where = {d: next(r for r, x in enumerate(devices) if x == d) for d in devices}
+    if len(where) > 1:
+        r = where["cpu"]
+        raise SpawnError(f"proc mesh {mesh.name!r}: rank {r} (host {mesh.hosts[r]}) has no GPU of its own ("
+                         f"{mesh.gpus[r]} for {per_host[mesh.hosts[r]]} ranks there) while other ranks do; pass "
+                         "spawn_procs(device='cpu'), or as many processes per host as each host has GPUs")
+    if wanted != "cuda":
+        return devices[0] if devices else "cpu"
+    blind = [r for r, g in enumerate(mesh.gpus) if g == 0]
+    if blind:
+        raise SpawnError(f"spawn_procs(device='cuda'): rank {blind[0]} on host {mesh.hosts[blind[0]]} sees no GPU "
+                         "(none there, or CUDA_VISIBLE_DEVICES hides them); spawn with device='cpu' or on hosts "
+                         "with GPUs")
+    crowded = [h for h, n in per_host.items() if n > mesh.gpus[mesh.hosts.index(h)]]
+    if crowded and not config.share_gpus():
+        h = crowded[0]
+        raise SpawnError(f"spawn_procs(device='cuda'): {per_host[h]} processes on host {h}, which has "
+                         f"{mesh.gpus[mesh.hosts.index(h)]} GPU(s); spawn at most one process per GPU, or set "
+                         "MONARCH_SHARE_GPUS=1 to let them share (collectives then go through MPI)")
+    return "cuda"
 
 
 def _spawn_actors(ctl: Jobs, op: SpawnActors, owner: Owner | None) -> None:

@@ -97,8 +97,9 @@ def region(data: torch.Tensor | memoryview, what: str) -> tuple[int, int]:
     C-contiguous memoryview; ValueError otherwise."""
     if isinstance(data, torch.Tensor):
         if data.device.type != "cpu":
-            raise ValueError(f"{what}: a {data.device.type} tensor; RDMA buffers hold CPU memory here: pass "
-                             "t.cpu() (and copy back after a read)")
+            raise ValueError(f"{what}: a {data.device.type} tensor; an RDMABuffer registers host memory here (no "
+                             "GPUDirect): register a host copy, t.cpu() (read_into and write_from take GPU tensors "
+                             "and stage them)")
         if not data.is_contiguous():
             raise ValueError(f"{what}: the tensor is not contiguous (shape {tuple(data.shape)}, stride "
                              f"{data.stride()}); pass t.contiguous() or a contiguous view")

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch._C._distributed_c10d import Backend as Group  # a process group's backend: gloo's or NCCL's
 
-from monarch.errors import TransportError
 from monarch.program.instr import Comm, Start
 from monarch.runtime.control.client import client
 from monarch.runtime.engine.transport.mpi import REDUCE, WIDE, reducible, dense, joined, pack, received_shapes, unpack
@@ -91,10 +90,6 @@ class TorchTransport:
         return g
 
     def _make(self, ranks: tuple[int, ...]) -> Group:
-        if self.backend == "nccl" and not dist.is_nccl_available():
-            raise TransportError("a collective of CUDA tensors needs torch.distributed's NCCL, which this torch build "
-                                 "lacks; install a CUDA build of torch, or set MONARCH_COLLECTIVES=mpi (through host "
-                                 "memory)")
         store, here = self.rendezvous.store(ranks, self.backend)
         me = self.rendezvous.comm_for(ranks).Get_rank()
         if self.backend == "nccl":
