@@ -116,8 +116,8 @@ class Transports:
 
     def pick(self, mdim: int, device: torch.device) -> Transport:
         if device.type == "cuda":
-            if self.collectives != "mpi" and nccl_usable():
-                return self.torch["nccl"]
+            if self.collectives == "torch" or (self.collectives == "auto" and nccl_usable()):
+                return self.torch["nccl"]  # asked for by name: NCCL says itself why it cannot
             host = self.pick(mdim, torch.device("cpu"))
             return self._staged.setdefault(host.name(mdim), Staged(host))
         if self.collectives == "torch":
