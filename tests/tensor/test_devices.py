@@ -6,6 +6,7 @@ running it fails on the workers with the fix named.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import monarch
 from monarch import DeviceError, Replicate, Shard, SpawnError
-from monarch.actor import ProcMesh, this_host
+from monarch.actor import Actor, ActorError, ProcMesh, current_rank, endpoint, this_host
 from monarch.runtime.control.bootstrap import mesh_device, visible_gpus
 
 T = 120.0
@@ -119,3 +120,29 @@ def test_running_a_cuda_mesh_without_a_cuda_torch_names_the_fix(gpu_procs: ProcM
     x = monarch.ones(2, mesh=gpu_procs)
     with pytest.raises(monarch.MonarchError, match="cannot use a GPU.*device='cpu'"):
         x.sum().item()
+
+
+def _one_gpu_each() -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(current_rank()["gpus"])
+
+
+def _refuse() -> None:
+    raise ValueError("no GPU for this rank")
+
+
+class Env(Actor):
+    @endpoint
+    def get(self, key: str) -> str | None:
+        return os.environ.get(key)
+
+
+def test_bootstrap_runs_in_each_process_before_it_returns() -> None:
+    """Monarch's spawn_procs(per_host, bootstrap): per-process environment, set before any actor or tensor."""
+    mesh = this_host().spawn_procs({"gpus": 2}, bootstrap=_one_gpu_each)
+    try:
+        seen = mesh.spawn("env", Env).get.call("CUDA_VISIBLE_DEVICES").get(T)
+        assert list(seen.values()) == ["0", "1"]
+    finally:
+        mesh.stop().get(T)
+    with pytest.raises(ActorError, match="no GPU for this rank"):
+        this_host().spawn_procs({"gpus": 1}, bootstrap=_refuse)

@@ -7,8 +7,10 @@ starts one MPI job across them. Proc meshes of a mesh with more than one host ge
 """
 from __future__ import annotations
 
+import inspect
 import os
 import weakref
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from monarch import config
 from monarch.errors import MeshError, SpawnError
 from monarch.runtime.actors.actor_mesh import resolved
 from monarch.runtime.actors.context import context
+from monarch.runtime.actors.endpoint import Actor, endpoint
 from monarch.runtime.actors.proc_mesh import Hold, ProcMesh, ask
 from monarch.runtime.control import launch
 from monarch.runtime.control.bootstrap import visible_gpus
@@ -82,8 +85,9 @@ class HostMesh(MeshView):
                             "slice it on the client and pass the slice")
         return type(self)(hosts, self._launcher.subset(hosts))
 
-    def spawn_procs(self, per_host: dict[str, int] | None = None, *, name: str | None = None,
-                    env: dict[str, str] | None = None, host: str | None = None,
+    def spawn_procs(self, per_host: dict[str, int] | None = None,
+                    bootstrap: Callable[[], None] | Callable[[], Awaitable[None]] | None = None, *,
+                    name: str | None = None, env: dict[str, str] | None = None, host: str | None = None,
                     device: str | None = None) -> ProcMesh:
         """Start one worker per point of `per_host` on every host, as one MPI job, named `name` (default:
         procs, procs_1, procs_2, ... in the order they start).
@@ -93,6 +97,10 @@ class HostMesh(MeshView):
         host's address on the route to the first host otherwise); workers are told MONARCH_ADVERTISE, or
         that address (the route's when `host` is a wildcard such as 0.0.0.0). Inside an actor the
         controller starts it, and that actor owns it (stopping the actor's mesh stops it too).
+
+        `bootstrap` (as Monarch's) runs in every process before spawn_procs returns, before any actor or tensor:
+        the place to set per-process environment such as CUDA_VISIBLE_DEVICES from `current_rank()`; a
+        coroutine function is awaited. Its exception fails the spawn (the mesh is stopped).
 
         `device` is the device type of the mesh's tensors (`procs.device`): "cuda" binds each worker to a GPU
         of its host (its local rank's, among those CUDA_VISIBLE_DEVICES shows), "cpu" keeps tensors in host
@@ -106,6 +114,8 @@ class HostMesh(MeshView):
                         host, device=wanted)
         info = ask(op).get(config.spawn_timeout() + SPAWN_SLACK_S)
         procs = ProcMesh(info, hold=Hold(info) if client().is_controller else None)
+        if bootstrap is not None:
+            _bootstrap(procs, bootstrap)
         self._procs.add(procs)
         for path, reload in self._workspaces:
             procs.sync_workspace(path, reload=reload)
@@ -151,6 +161,24 @@ def _check_local_size(shape: Shape, local: bool) -> None:
         raise SpawnError(f"a mesh of {len(shape)} worker processes ({shape.extent}) on this host is over the "
                          f"limit of {limit} (MONARCH_MAX_LOCAL_PROCS, default 16 per core; this host has "
                          f"{os.cpu_count()} cores): spawn fewer processes, or raise MONARCH_MAX_LOCAL_PROCS")
+
+
+class _Bootstrap(Actor):
+    """Runs a spawn's bootstrap callable in its process."""
+
+    @endpoint
+    async def run(self, fn: Callable[[], Any]) -> None:
+        out = fn()
+        if inspect.isawaitable(out):
+            await out
+
+
+def _bootstrap(procs: ProcMesh, fn: Callable[[], Any]) -> None:
+    try:
+        procs.spawn("_bootstrap", _Bootstrap).run.call(fn).get(config.spawn_timeout() + SPAWN_SLACK_S)
+    except BaseException:
+        procs.stop().get(STOP_TIMEOUT_S)
+        raise
 
 
 def _device(device: str | None, shape: Shape, local: bool) -> str:
