@@ -20,6 +20,7 @@ from monarch.errors import DeviceError
 from monarch.tensor.spec import Spec
 
 TYPES = ("cpu", "cuda")
+CROSSING = frozenset(("aten::copy_", "aten::copy"))  # ops whose inputs may be on different devices
 
 
 def device_type(device: torch.device | str | int, what: str, mesh_device: str) -> str:
@@ -36,7 +37,10 @@ def device_type(device: torch.device | str | int, what: str, mesh_device: str) -
 
 
 def result_device(what: str, args: Sequence[Any], kwargs: dict[str, Any], ins: Sequence[Spec], mesh_device: str) -> str:
-    """The device type of an op's results: the one it names, else its inputs' (DeviceError if they differ)."""
+    """The device type of an op's results: the one it names, else its inputs' (DeviceError if they differ); a
+    copy into a tensor crosses devices, as in torch (`gpu_param.copy_(host_piece)`), and stays on its target's."""
+    if what in CROSSING and ins:
+        return ins[0].device
     named = kwargs.get("device")
     if named is None:
         named = next((a for a in args if isinstance(a, torch.device)), None)

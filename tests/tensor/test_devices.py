@@ -146,3 +146,9 @@ def test_bootstrap_runs_in_each_process_before_it_returns() -> None:
         mesh.stop().get(T)
     with pytest.raises(ActorError, match="no GPU for this rank"):
         this_host().spawn_procs({"gpus": 1}, bootstrap=_refuse)
+
+
+def test_a_copy_crosses_devices_as_in_torch(gpu_procs: ProcMesh) -> None:
+    gpu = monarch.zeros(4, mesh=gpu_procs)
+    host = monarch.ones(4, mesh=gpu_procs, device="cpu")
+    assert gpu.copy_(host).device.type == "cuda" and host.copy_(gpu).device.type == "cpu"
