@@ -86,7 +86,7 @@ def test_the_refusal_names_what_and_what_is_allowed() -> None:
 @given(st.lists(st.sampled_from(READS + attacks(Path("/nonexistent"))), min_size=1, max_size=4))
 def test_a_query_runs_only_when_every_statement_reads(statements: list[str]) -> None:
     store = Store(retain=1000)
-    store.add(Events({"memory": [0, 1, 2, 3, 4, 5, 6]}), "m")
+    store.add(Events({"memory": [0, 1, 2, 3, 4, 5, 6, 7]}), "m")
     query = "; ".join(statements)
     if all(s in READS for s in statements):
         store.sql(query)
@@ -99,7 +99,7 @@ def test_a_query_runs_only_when_every_statement_reads(statements: list[str]) -> 
 def test_a_database_file_is_read_only_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MONARCH_TELEMETRY_DB", str(tmp_path / "telemetry.db"))
     store = Store()
-    store.add(Events({"memory": [0, 1, 2, 3, 4, 5, 6]}), "m")
+    store.add(Events({"memory": [0, 1, 2, 3, 4, 5, 6, 7]}), "m")
     outside = tmp_path / "outside"
     outside.mkdir()
     for attack in attacks(outside):

@@ -139,7 +139,7 @@ def test_store_loads_beside_a_running_query_and_cancels_it_when_asked(monkeypatc
     query.start()
     time.sleep(0.5)
     for i in range(20):  # as the poller stores what workers send: it never waits for the query
-        timed(lambda: db.add(Events({"memory": [0, i, 2, 3, 4, 5, 6]}), "m"), limit=T)
+        timed(lambda: db.add(Events({"memory": [0, i, 2, 3, 4, 5, 6, 7]}), "m"), limit=T)
     assert query.is_alive()
     gone.set()
     query.join(T)
