@@ -96,24 +96,14 @@ def refuse_cross_memory_reads() -> None:
         f"PR_SET_SECCOMP: errno {ctypes.get_errno()}"
 
 
-def main(seed: int, n: int, refused: bool) -> None:
-    world = MPI.COMM_WORLD
-    k, me = world.Get_size(), world.Get_rank()
-    ranks = tuple(range(k))
-    mpi = MpiTransport(lambda mdim: ranks)
-    if refused:
-        refuse_cross_memory_reads()
-    shm = ShmTransport(lambda mdim: mpi.comm_for(ranks))
-    peers = shm.group(0)[1]
-    assert (peers is None) == refused and isinstance(shm.way(0, config.attach_bytes()), Segment if refused else Peers)
-    ways: dict[str, Way] = {"mpi": lambda ins, x, owned: mpi.start(ins, x)() if isinstance(ins, Start) else
-                            mpi(ins, x, owned),
-                            "shm": lambda ins, x, owned: shm.start(ins, x)() if isinstance(ins, Start) else
-                            shm(ins, x, owned)}
-    if peers is not None:  # every size by cross-memory attach, beside the transport's own choice by size
-        ways["attach"] = lambda ins, x, owned: attach.all_reduce(peers, ins.op, x, True) if isinstance(ins, Start) \
-            else attach.run(peers, ins, x, owned)
-    rng = random.Random(seed)
+def way_of(t: MpiTransport | ShmTransport) -> Way:
+    """A transport's collectives and buckets as one Way."""
+    return lambda ins, x, owned: t.start(ins, x)() if isinstance(ins, Start) else t(ins, x, owned)
+
+
+def check_ways(ways: dict[str, Way], rng: random.Random, n: int, k: int, me: int) -> None:
+    """`n` random cases through every way: each equals plain torch (exactly where the sums' order cannot matter),
+    and then the "mpi" way's result; in place equals out of place; no input changes."""
     for step in range(n):
         kind, ins, xs, want = case(rng, k, me, step)
         x = xs[me]
@@ -137,6 +127,23 @@ def main(seed: int, n: int, refused: bool) -> None:
             if exact:
                 a = got["mpi"]
                 assert torch.equal(a, out) or (a.isnan() & out.isnan()).any(), f"{ins!r}: mpi and {who} differ"
+
+
+def main(seed: int, n: int, refused: bool) -> None:
+    world = MPI.COMM_WORLD
+    k, me = world.Get_size(), world.Get_rank()
+    ranks = tuple(range(k))
+    mpi = MpiTransport(lambda mdim: ranks)
+    if refused:
+        refuse_cross_memory_reads()
+    shm = ShmTransport(lambda mdim: mpi.comm_for(ranks))
+    peers = shm.group(0)[1]
+    assert (peers is None) == refused and isinstance(shm.way(0, config.attach_bytes()), Segment if refused else Peers)
+    ways: dict[str, Way] = {"mpi": way_of(mpi), "shm": way_of(shm)}
+    if peers is not None:  # every size by cross-memory attach, beside the transport's own choice by size
+        ways["attach"] = lambda ins, x, owned: attach.all_reduce(peers, ins.op, x, True) if isinstance(ins, Start) \
+            else attach.run(peers, ins, x, owned)
+    check_ways(ways, random.Random(seed), n, k, me)
     shm.close()
     print(f"ok {n}", flush=True)
 
