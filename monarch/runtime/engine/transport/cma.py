@@ -1,7 +1,8 @@
 """Same-node transfers by cross-memory attach: one copy, straight between the two processes' memory, and the
 owner runs nothing for it. Small copies go through the owner's /proc/<pid>/mem (one pread or pwrite, no page
 pinning: half the cost of process_vm_readv for a few bytes); larger ones by process_vm_readv / process_vm_writev,
-split among a few threads from SPLIT_BYTES on (as a NIC's engines copy in parallel).
+split among a few threads from SPLIT_BYTES on (as a NIC's engines copy in parallel), with both sides on huge pages
+where the kernel allows (the owner's at registration, this side's on its first large copy).
 
 The handle is checked in the owner's slot table (registry.py), mapped read-only through /proc/<pid>/fd/<fd>:
 a read checks it before and after its copy (a drop in between fails the read); a write holds a shared record
@@ -16,13 +17,14 @@ import fcntl
 import mmap
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from monarch.errors import TransportError
 from monarch.runtime.engine.transport.handle import Handle, Owner, memory, start_time, this_node
-from monarch.runtime.engine.transport.registry import SLOT, SLOT_BYTES
+from monarch.runtime.engine.transport.registry import HUGE_BYTES, LIBC, SLOT, SLOT_BYTES, prefer_huge_pages
 
 SMALL_BYTES = 32 << 10  # up to this, a copy is one pread/pwrite of /proc/<pid>/mem
 SPLIT_BYTES = 16 << 20  # from this, a copy is split among up to COPY_THREADS threads
@@ -37,10 +39,9 @@ class _iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
 _CALLS = {}
 for _name in ("process_vm_readv", "process_vm_writev"):
-    _fn = getattr(_libc, _name)
+    _fn = getattr(LIBC, _name)
     _fn.argtypes = [ctypes.c_int, ctypes.POINTER(_iovec), ctypes.c_ulong, ctypes.POINTER(_iovec), ctypes.c_ulong,
                     ctypes.c_ulong]
     _fn.restype = ctypes.c_ssize_t
@@ -170,6 +171,7 @@ def _moved(reading: bool, table: Table, remote: int, local: int, n: int) -> int:
         except OSError as e:
             return e.errno or errno.EIO
         return 0 if got == n else errno.EIO
+    _prepare(local, n)
     pid, pieces = table.owner.pid, parts(n)
     if len(pieces) == 1:
         return _vm(reading, pid, local, remote, n)
@@ -197,6 +199,19 @@ def parts(n: int) -> list[tuple[int, int]]:
     return [(at, min(step, n - at)) for at in range(0, n, step)]
 
 
+def _prepare(local: int, n: int) -> None:
+    """This process's side of a large copy on huge pages, once per region (as RDMA registers a local buffer once):
+    a repeated transfer into the same tensor pays it the first time only."""
+    if n < HUGE_BYTES or (local, n) in _prepared:
+        return
+    prefer_huge_pages(local, n)
+    _prepared[(local, n)] = None
+    while len(_prepared) > PREPARED:
+        _prepared.popitem(last=False)
+
+
+PREPARED = 64  # local regions remembered as prepared
+_prepared: OrderedDict[tuple[int, int], None] = OrderedDict()
 _copiers: list[ThreadPoolExecutor] = []
 
 
