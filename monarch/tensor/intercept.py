@@ -55,7 +55,7 @@ def torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
     """Step 1: `func` taken whole when it applies, else run as plain torch (its results not wrapped again)."""
     if torch.compiler.is_compiling():
         dynamo.refuse_one_graph()
-    if gpu_named(kwargs) and func not in WHOLE:
+    if gpu_named(kwargs) and func not in WHOLE and not isinstance(func, torch._ops.OpOverload):
         return made_then_moved(func, args, kwargs, torch_function)
     if func in WHOLE:
         out = WHOLE[func](*args, **kwargs)

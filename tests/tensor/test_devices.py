@@ -152,3 +152,15 @@ def test_a_copy_crosses_devices_as_in_torch(gpu_procs: ProcMesh) -> None:
     gpu = monarch.zeros(4, mesh=gpu_procs)
     host = monarch.ones(4, mesh=gpu_procs, device="cpu")
     assert gpu.copy_(host).device.type == "cuda" and host.copy_(gpu).device.type == "cpu"
+
+
+def test_a_model_moves_to_the_gpus_with_to(gpu_procs: ProcMesh) -> None:
+    """`model.to("cuda")` of a model whose parameters are MeshTensors moves them (and their gradients) in place."""
+    model = torch.nn.Linear(4, 2)
+    monarch.data_parallel(model, gpu_procs, dim="gpus")
+    assert {p.device.type for p in model.parameters()} == {"cuda"}  # distributed onto the mesh's device
+    weight = model.weight
+    model.to("cpu")
+    assert model.weight is weight and {p.device.type for p in model.parameters()} == {"cpu"}
+    model.cuda()
+    assert {p.device.type for p in model.parameters()} == {"cuda"} and model.weight.placements == (Replicate(),)
