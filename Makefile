@@ -1,7 +1,9 @@
 # make demo: create .venv, install monarch, run the main example on a local 4-process mesh.
-# make test: create/update .venv, run the whole test suite but the cluster and data-plane tiers.
+# make test: create/update .venv, run the whole test suite but the cluster, data-plane and OpInfo tiers.
 # make test-dataplane: the data-plane tier (marked `dataplane`): one-sided transfers (monarch.rdma), to_mesh and
 #   its examples, shared-memory collectives.
+# make test-opinfo: the OpInfo tier (marked `opinfo`): torch's OpInfo samples of every op monarch claims, sharded
+#   on a real mesh against plain torch (about 2 minutes).
 # make test-cluster: the cluster tier (tests/cluster): the launchers (attach agents, Kubernetes manifests) and
 #   meshes across test hosts made of network namespaces with a real sshd and Slurm (those need root and
 #   .ci/cluster-packages; they skip with one line otherwise).
@@ -11,7 +13,7 @@ PY     := $(VENV)/bin/python
 # the venv's MPICH mpiexec must come before any system-wide mpiexec of another MPI
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-dataplane test-cluster bench clean pyverbs
+.PHONY: demo test test-opinfo test-dataplane test-cluster bench clean pyverbs
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +24,10 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not cluster and not dataplane"
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not cluster and not dataplane and not opinfo"
+
+test-opinfo: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider -m opinfo
 
 # rdma-core's pyverbs (Debian's python3-pyverbs, built for the system python3) where its extension modules fit
 # the venv's python: a .pth adds a directory holding only a link to it (never the rest of dist-packages)

@@ -47,17 +47,22 @@ def leftovers(owner: int, allowed: set[int], timeout: float = 10.0) -> dict[int,
 
 
 DATAPLANE = ("rdma", "runtime/engine", "runtime/session/test_to_mesh.py", "end_to_end/test_mesh_to_mesh_examples.py")
+OPINFO = ("graph/test_opinfo.py",)  # the OpInfo sweep: every sample of every claimed op on a real mesh
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `slow` every test that starts worker processes: it uses a mesh fixture, or its module spawns; and
-    `dataplane` the tests of the data plane (their own tier, `make test-dataplane`)."""
+    `dataplane` the tests of the data plane (their own tier, `make test-dataplane`), `opinfo` the OpInfo sweep
+    (`make test-opinfo`)."""
     spawns: dict[Path, bool] = {}
     tests = Path(__file__).resolve().parent
     for item in items:
         path = Path(str(item.fspath))
-        if path.resolve().relative_to(tests).as_posix().startswith(DATAPLANE):
+        where = path.resolve().relative_to(tests).as_posix()
+        if where.startswith(DATAPLANE):
             item.add_marker(pytest.mark.dataplane)
+        if where.startswith(OPINFO):
+            item.add_marker(pytest.mark.opinfo)
         if path not in spawns:
             spawns[path] = "spawn_procs(" in path.read_text()
         if spawns[path] or "procs" in getattr(item, "fixturenames", ()):
