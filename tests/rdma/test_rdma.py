@@ -224,3 +224,27 @@ def test_random_offsets_and_sizes_match_slicing(owners: ActorMesh[Owner], data: 
                 buf.write_from(src, offset=offset).get(timeout=T)
                 model[offset:offset + n] = src.numpy().tobytes()
     assert one(owners, 1).value.call_one("prop").get(timeout=T) == bytes(model)
+
+
+def _huge_bytes(t: torch.Tensor) -> int:
+    """AnonHugePages of this process's mappings over `t`'s memory (/proc/self/smaps), in bytes."""
+    start, end, inside, total = t.data_ptr(), t.data_ptr() + t.nbytes, False, 0
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < end and start < hi
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1]) << 10
+    return total
+
+
+@pytest.mark.skipif("[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+                    reason="transparent huge pages are off in this kernel")
+def test_a_large_registered_region_moves_onto_huge_pages_with_its_data() -> None:
+    t = torch.arange(16 * MiB // 8, dtype=torch.int64)
+    assert _huge_bytes(t) == 0
+    buf = RDMABuffer(t)
+    assert _huge_bytes(t) >= 12 * MiB  # the whole 2 MiB pages inside the region
+    assert torch.equal(t, torch.arange(16 * MiB // 8, dtype=torch.int64))
+    buf.drop().get(timeout=T)
