@@ -8,6 +8,7 @@ Every configuration trains the same model (same seed, global batch and AdamW) in
 - compiled W / eager W: monarch on a dp=W mesh (monarch.data_parallel), the step under monarch.compile or
   run op by op; `ctl/step` is the controller's own CPU time per step call (sending the batch, and
   recording or launching the step), the rest overlaps with the workers.
+`all_reduces/step` counts the gradient all_reduces of one step: DDP's buckets, a compiled step's.
 Ratios are throughputs against DDP at the same world size. A width sweep (Pathways-style) then finds the
 smallest step time at which compiled monarch reaches 0.95x DDP. Run with --help for the knobs.
 """
@@ -51,6 +52,7 @@ class Result:
     step_s: float          # mean wall time per step
     ctl_s: float | None    # controller time per step (monarch only)
     loss: float            # global loss of the last step
+    all_reduces: int | None = None  # gradient all_reduces per step (DDP's buckets; a compiled step's)
 
 
 # -- one configuration, measured in this process --------------------------------------------------------------
@@ -114,21 +116,35 @@ def run_ddp(args: argparse.Namespace) -> Result:
         return total.item() / world
     try:
         r = timed(one, stream, sync, args.warmup, args.steps, dist.barrier)
-        return Result(r.step_s, None, r.loss)
+        logged = model._get_ddp_logging_data()
+        sizes = logged.get("rebuilt_bucket_sizes") or logged["bucket_sizes"]
+        return Result(r.step_s, None, r.loss, len(str(sizes).split(",")))
     finally:
         dist.destroy_process_group()
 
 
 def run_monarch(args: argparse.Namespace, eager: bool) -> Result:
+    """Compiled or eager monarch; then one more compiled step counts the all_reduces a step runs."""
     import monarch
     from monarch.actor import this_host
+    from monarch.runtime.session.session import session_of
     cfg = config(args, args.width)
     stream = gpt.batches(text(args), args.batch, cfg.context, args.seed)
     with this_host().spawn_procs(per_host={"dp": args.world}) as procs:
         model = monarch.data_parallel(gpt.build(cfg, args.seed), procs, dim="dp")
         step = gpt.compile_step(gpt.train_step(model, gpt.optimizer(model)), eager=eager)
-        return timed(step, stream, lambda loss: monarch.fetch(loss).get(timeout=args.timeout).item(),
-                     args.warmup, args.steps)
+
+        def sync(loss: torch.Tensor) -> float:
+            return monarch.fetch(loss).get(timeout=args.timeout).item()
+        r = timed(step, stream, sync, args.warmup, args.steps)
+        if eager:
+            return r
+        shipped = session_of(procs).collectives
+        before = len(shipped)
+        loss = step(*next(stream))
+        count = shipped[before:].count("all_reduce[dp]")
+        sync(loss)
+        return Result(r.step_s, r.ctl_s, r.loss, count)
 
 
 def run_one(args: argparse.Namespace) -> None:
@@ -207,17 +223,17 @@ def main_table(args: argparse.Namespace) -> None:
     for world in args.worlds:
         runs += [Run("ddp", world, args.width), Run("compiled", world, args.width), Run("eager", world, args.width)]
     results = {}
-    rows = [("configuration", "world", "step time", "steps/s", "ctl/step", "last loss", "vs DDP")]
+    rows = [("configuration", "world", "step time", "steps/s", "ctl/step", "last loss", "all_reduces/step", "vs DDP")]
     for run in runs:
         results[run] = r = measure(run, args)
         if isinstance(r, str):
-            rows.append((NAMES[run.kind], str(run.world), r, "", "", "", ""))
+            rows.append((NAMES[run.kind], str(run.world), r, "", "", "", "", ""))
             continue
         ddp = results.get(Run("ddp", run.world if run.kind != "torch" else min(args.worlds), run.width))
         vs = f"{ddp.step_s / r.step_s:.2f}x" if isinstance(ddp, Result) and run.kind != "ddp" else "-"
         ctl = f"{r.ctl_s * 1e6:,.0f} µs" if r.ctl_s is not None else "-"
         rows.append((NAMES[run.kind], str(run.world), f"{r.step_s * 1e3:,.1f} ms", f"{1 / r.step_s:.2f}", ctl,
-                     f"{r.loss:.4f}", vs))
+                     f"{r.loss:.4f}", "-" if r.all_reduces is None else str(r.all_reduces), vs))
     print_rows(rows)
 
 

@@ -40,8 +40,9 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_STRICT", "0", "1 raises UnsupportedOpError for an op with no sharding rule instead of "
          "running it replicated"),
     Flag("MONARCH_WORKER_THREADS", "0", "torch intra-op threads per worker (0: the host's cores over its workers)"),
-    Flag("MONARCH_BUCKET_BYTES", str(4 << 20), "compiled steps: all_reduces start early and share buckets up to "
-         "this size (0: run them where they are, blocking)"),
+    Flag("MONARCH_BUCKET_MB", "25", "compiled steps: gradients are reduced as DDP does, all_reduces started as "
+         "soon as their inputs are written and bucketed up to this many MiB, the first bucket up to 1 MiB "
+         "(0: each gradient is reduced where the optimizer first reads it, blocking)"),
     Flag("MONARCH_DEVICE", "auto", "device type of a worker's tensors (spawn_procs(device=) sets it for its workers): "
          "auto (cuda where every rank of a host has a GPU of its own), cpu or cuda"),
     Flag("MONARCH_SHARE_GPUS", "0", "1 lets a CUDA mesh put more processes on a host than it has GPUs (they take "
@@ -201,7 +202,8 @@ def worker_threads() -> int:
 
 
 def bucket_bytes() -> int:
-    return _int("MONARCH_BUCKET_BYTES")
+    """MONARCH_BUCKET_MB in bytes."""
+    return int(_float("MONARCH_BUCKET_MB") * (1 << 20))
 
 
 TRANSPORTS = ("auto", "mpi", "shm")

@@ -1,26 +1,26 @@
-"""Scheduling of compiled programs: all_reduces start early, in buckets, and are waited for late.
+"""Scheduling of compiled programs: all_reduces start early, in DDP-like buckets, and are waited for late.
 
-A compiled step's gradient all_reduces are recorded where the optimizer first needs a reduced
-gradient, after the whole backward. This pass moves each one up to just after the last instruction
-that writes its input, as a non-blocking Start, and leaves a Wait where the result is first needed,
-so the reduction overlaps the rest of the backward. Neighbouring Starts on the same mesh dim, op and
-dtype share one bucket (one collective) up to `bucket_bytes`.
+A compiled step's gradient all_reduces are recorded where the optimizer step begins, after the whole
+backward. This pass moves each one up to just after the last instruction that writes its input (or any
+tensor sharing its memory), as a non-blocking Start, and leaves a Wait where its result is first read,
+so the reduction overlaps the rest of the backward. As in DDP, all_reduces on the same mesh dim, op and
+dtype share buckets in the order their inputs become ready: the first holds about 1 MiB (communication
+starts early), the others up to `bucket_bytes`; a bucket closes once it reaches its size.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from math import prod
+from typing import Any
 
-from monarch.program.instr import Buf, Comm, Instr, Local, Start, Wait
+import torch
+
+from monarch.program.instr import Buf, Comm, Free, Instr, Local, Start, Wait
 from monarch.program.program import RankProgram
 
-
-@dataclass
-class _Bucket:
-    start_at: int           # the Start goes after this instruction (-1: first)
-    wait_at: int            # the Wait goes before this instruction
-    members: list[int]      # indices of the all_reduce Comms
-    nbytes: int
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def overlap(programs: tuple[RankProgram, ...], bucket_bytes: int) -> tuple[RankProgram, ...]:
@@ -32,48 +32,141 @@ def overlap(programs: tuple[RankProgram, ...], bucket_bytes: int) -> tuple[RankP
     return tuple(RankProgram(p.coords, _rewrite(p.instrs, buckets)) for p in programs)
 
 
+@dataclass
+class _Bucket:
+    start_at: int           # the Start goes after this instruction (-1: first): its inputs' last writer
+    before: int             # ... and not after this one, the earliest of its all_reduces (inputs still alive)
+    wait_at: int            # the Wait goes before this instruction: the first that reads a result
+    limit: int              # bytes at which the bucket is full
+    members: list[int] = field(default_factory=list)  # indices of the all_reduce Comms
+    nbytes: int = 0
+
+    def takes(self, ready: int, i: int) -> bool:
+        return self.nbytes < self.limit and max(self.start_at, ready) <= min(self.before, i)
+
+    def add(self, i: int, ready: int, need: int, nbytes: int) -> None:
+        self.members.append(i)
+        self.start_at, self.before = max(self.start_at, ready), min(self.before, i)
+        self.wait_at, self.nbytes = min(self.wait_at, need), self.nbytes + nbytes
+
+
 def _buckets(instrs: tuple[Instr, ...], limit: int) -> list[_Bucket]:
-    reduces = [i for i, ins in enumerate(instrs) if isinstance(ins, Comm) and ins.kind == "all_reduce"]
+    flow = _Flow(instrs)
+    reduces = sorted((flow.ready(i), i) for i, ins in enumerate(instrs)
+                     if isinstance(ins, Comm) and ins.kind == "all_reduce")
     found: list[_Bucket] = []
-    for i in sorted(reduces, key=lambda i: (_last_writer(instrs, i), i)):
+    open_: dict[tuple[int, str, torch.dtype], _Bucket] = {}
+    for ready, i in reduces:
         c = instrs[i]
         assert isinstance(c, Comm)
-        at, size = _last_writer(instrs, i), prod(c.shapes[0]) * c.dtype.itemsize
-        b = found[-1] if found else None
-        if b is not None and _fits(instrs[b.members[0]], c) and b.nbytes + size <= limit and \
-                max(b.start_at, at) < min(b.wait_at, i):
-            b.members.append(i)
-            b.start_at, b.wait_at, b.nbytes = max(b.start_at, at), min(b.wait_at, i), b.nbytes + size
-        else:
-            found.append(_Bucket(at, i, [i], size))
+        key = (c.mdim, c.op, c.dtype)
+        b = open_.get(key)
+        if b is None or not b.takes(ready, i):
+            b = _Bucket(ready, i, len(instrs), limit if key in open_ else min(FIRST_BUCKET_BYTES, limit))
+            found.append(b)
+            open_[key] = b
+        b.add(i, ready, flow.need(i), prod(c.shapes[0]) * c.dtype.itemsize)
     return found
 
 
-def _fits(a: Instr, b: Comm) -> bool:
-    return isinstance(a, Comm) and (a.mdim, a.op, a.dtype) == (b.mdim, b.op, b.dtype)
+class _Flow:
+    """Which buffers each instruction reads, defines and mutates; tensors that may share memory (views,
+    as the aten schemas say, or any output of a kernel without one) count as one."""
+
+    def __init__(self, instrs: tuple[Instr, ...]) -> None:
+        self.instrs = instrs
+        self.parent: dict[int, int] = {}
+        self.mutated: list[frozenset[int]] = []
+        for ins in instrs:
+            mutated, aliased = _effects(ins) if isinstance(ins, Local) else ((), ())
+            for o in ins.outs if isinstance(ins, Local) else ():
+                for a in aliased:
+                    self.parent[self.root(o)] = self.root(a)
+            self.mutated.append(frozenset(mutated))
+        self.mutated = [frozenset(self.root(m) for m in ms) for ms in self.mutated]
+
+    def root(self, i: int) -> int:
+        while (p := self.parent.get(i, i)) != i:
+            i = p
+        return i
+
+    def ready(self, i: int) -> int:
+        """Index of the last instruction before all_reduce i that writes its input (-1: none); for an input
+        that another all_reduce wrote, the first reader of that one's result (where its Wait goes)."""
+        c = self.instrs[i]
+        assert isinstance(c, Comm)
+        group = self.root(c.src)
+        for j in range(i - 1, -1, -1):
+            w = self.instrs[j]
+            if group in self.mutated[j] or c.src in _defines(w):
+                return self.need(j) if isinstance(w, Comm) and w.kind == "all_reduce" else j
+        return -1
+
+    def need(self, i: int) -> int:
+        """Index of the first instruction after all_reduce i that reads its result (the end: none)."""
+        out = self.instrs[i]
+        assert isinstance(out, Comm)
+        return next((k for k in range(i + 1, len(self.instrs)) if out.out in _reads(self.instrs[k])),
+                    len(self.instrs))
 
 
-def _last_writer(instrs: tuple[Instr, ...], i: int) -> int:
-    """Index of the last instruction before i that writes the storage Comm i reads (-1: none)."""
-    c = instrs[i]
-    assert isinstance(c, Comm)
-    for j in range(i - 1, -1, -1):
-        ins = instrs[j]
-        if c.src in _writes(ins):
-            return j
-    return -1
-
-
-def _writes(ins: Instr) -> tuple[int, ...]:
+def _defines(ins: Instr) -> tuple[int, ...]:
     if isinstance(ins, Local):
-        mutated = ins.args[0].id if ins.op.split(".")[0].endswith("_") and ins.args and \
-            isinstance(ins.args[0], Buf) else None
-        return ins.outs + ((mutated,) if mutated is not None else ())
-    if isinstance(ins, (Comm,)):
-        return (ins.out,)
-    if isinstance(ins, Wait):
         return ins.outs
-    return ()
+    if isinstance(ins, Comm):
+        return (ins.out,)
+    return ins.outs if isinstance(ins, Wait) else ()
+
+
+def _reads(ins: Instr) -> set[int]:
+    if isinstance(ins, Local):
+        return set(_bufs((ins.args, ins.kwargs)))
+    if isinstance(ins, Comm):
+        return {ins.src}
+    if isinstance(ins, Start):
+        return set(ins.srcs)
+    return set(ins.ids) if isinstance(ins, Free) else set()
+
+
+def _bufs(obj: Any) -> Iterator[int]:
+    if type(obj) is Buf:
+        yield obj.id
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _bufs(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _bufs(o)
+
+
+def _effects(ins: Local) -> tuple[list[int], list[int]]:
+    """The buffers kernel `ins` mutates, and those its outputs may be views of."""
+    schema = _schema(ins.op)
+    if schema is None:  # a monarch:: kernel: in place when named so, and its outputs may alias any input
+        inputs = list(_bufs((ins.args, ins.kwargs)))
+        return (inputs[:1] if ins.op.split(".")[0].endswith("_") else []), inputs
+    names = [a.name for a in schema.arguments][:len(ins.args)]
+    named = dict(zip(names, ins.args, strict=True)) | ins.kwargs
+    views = any(r.alias_info is not None for r in schema.returns)
+    mutated: list[int] = []
+    aliased: list[int] = []
+    for a in schema.arguments:
+        if a.alias_info is not None and a.name in named:
+            ids = list(_bufs(named[a.name]))
+            mutated += ids if a.alias_info.is_write else []
+            aliased += ids if views else []
+    return mutated, aliased
+
+
+@functools.cache
+def _schema(op: str) -> torch._C.FunctionSchema | None:
+    """The schema of `aten::name.overload` (None for other namespaces)."""
+    ns, _, rest = op.partition("::")
+    name, _, overload = rest.partition(".")
+    if ns != "aten":
+        return None
+    packet = getattr(torch.ops.aten, name, None)
+    return getattr(packet, overload or "default")._schema if packet is not None else None
 
 
 def _rewrite(instrs: tuple[Instr, ...], buckets: list[_Bucket]) -> tuple[Instr, ...]:
@@ -97,4 +190,5 @@ def _rewrite(instrs: tuple[Instr, ...], buckets: list[_Bucket]) -> tuple[Instr, 
         if i not in moved:
             out.append(ins)
         out.extend(starts.get(i, []))
+    out.extend(waits.get(len(instrs), []))
     return tuple(out)
