@@ -6,7 +6,12 @@ Numbers (all round trips timed on the controller with time.perf_counter):
   through the kernel can cost here when the receiver sleeps.
 - floor, spin: the same, but both ends first busy-poll `recv(..., MSG_DONTWAIT)` for up to MONARCH_SPIN_US
   (default 50 µs) before blocking, as monarch's control plane does; it skips the idle CPU's wake-up.
+- floor, Pipe: a stdlib `multiprocessing.Pipe` echo (`send_bytes`/`recv_bytes`) with a forked process, neither
+  end pinned nor spinning: what a plain Python request/reply between two processes costs here.
 - call_one: p50/p99 of `call_one(payload).get()` on one actor; ratio = p50 (p99) over each floor's p50 (p99).
+- call_one, N workers: the same against the Pipe floor, on the dp=2 x tp=2 mesh (4 workers) and on fresh meshes
+  of 1 and 2, the other workers idle (the goal: at most 2x; idle workers must not take the core the called one
+  needs).
 - call, 4 procs: `call(payload).get()` on a dp=2 x tp=2 mesh (fan out 4, gather 4); ratio over call_one.
 - broadcast: messages delivered per second (calls x actors) for N `broadcast` calls then one waiting call
   (FIFO per sender makes it a barrier); 1 actor against the sequential call_one rate (1 / call_one p50),
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import multiprocessing
 import os
 import platform
 import signal
@@ -186,6 +192,29 @@ def socket_floor(size: int, spin: float, plan: Plan) -> Latency:
         return latency(time_each(round_trip, plan.floor_iters, plan.warmup))
 
 
+def pipe_floor(size: int, plan: Plan) -> Latency:
+    """Round trips of `size` bytes through a multiprocessing.Pipe to a forked echo process."""
+    payload = b"x" * size
+    ours, theirs = multiprocessing.Pipe()
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        try:
+            while True:
+                theirs.send_bytes(theirs.recv_bytes())
+        finally:
+            os._exit(0)
+    theirs.close()
+    try:
+        def round_trip() -> None:
+            ours.send_bytes(payload)
+            ours.recv_bytes()
+        return latency(time_each(round_trip, plan.floor_iters, plan.warmup))
+    finally:
+        ours.close()  # the echo's recv_bytes raises EOFError, and it exits
+        os.waitpid(pid, 0)
+
+
 # --- monarch --------------------------------------------------------------------------------------------
 
 def call_latency(send: Callable[[bytes], Future[object]], payload: bytes, iters: int, warmup: int) -> Latency:
@@ -335,7 +364,7 @@ def print_machine(size: int, quick: bool) -> None:
 
 # --- main -----------------------------------------------------------------------------------------------
 
-def mesh_rows(procs: ProcMesh, payload: bytes, plan: Plan, block: Latency, spin: Latency) -> list[Row]:
+def mesh_rows(procs: ProcMesh, payload: bytes, plan: Plan, block: Latency, spin: Latency, pipe: Latency) -> list[Row]:
     echo = procs.spawn("echo", Echo)
     one = echo.slice(dp=0, tp=0)
     single = call_latency(one.ping.call_one, payload, plan.call_one_iters, plan.warmup)
@@ -344,10 +373,25 @@ def mesh_rows(procs: ProcMesh, payload: bytes, plan: Plan, block: Latency, spin:
     bc_mesh = broadcast_rate(echo, payload, plan.broadcasts)
     return [*latency_rows("call_one", single, "blocking floor", block),
             *latency_rows("call_one", single, "spin floor", spin),
+            *latency_rows("call_one, 4 workers", single, "Pipe floor", pipe),
             *latency_rows("call, 4 procs", mesh, "call_one", single),
             Row("broadcast, 1 actor", rate(bc_one), f"1 / call_one p50 {rate(1 / single.p50)}",
                 ratio(bc_one, 1 / single.p50)),
             Row("broadcast, 4 actors", rate(bc_mesh), f"broadcast, 1 actor {rate(bc_one)}", ratio(bc_mesh, bc_one))]
+
+
+def sized_rows(payload: bytes, plan: Plan, pipe: Latency) -> list[Row]:
+    """call_one of the first actor of fresh meshes of 1 and 2 workers (the other idle), against the Pipe floor."""
+    rows = []
+    for n in (1, 2):
+        procs = this_host().spawn_procs(per_host={"gpus": n}, name=f"bench-{n}")
+        try:
+            first = procs.spawn("echo", Echo).slice(gpus=0)
+            lat = call_latency(first.ping.call_one, payload, plan.call_one_iters, plan.warmup)
+            rows += latency_rows(f"call_one, {n} worker{'s' if n > 1 else ''}", lat, "Pipe floor", pipe)
+        finally:
+            procs.stop()
+    return rows
 
 
 def spawn_row(payload: bytes, plan: Plan) -> Row:
@@ -380,13 +424,16 @@ def main() -> None:
     print_machine(args.payload, args.quick)
     block = socket_floor(args.payload, 0.0, plan)  # floors first: fork before monarch starts any thread
     spin = socket_floor(args.payload, config.spin_seconds(), plan)
+    pipe = pipe_floor(args.payload, plan)
     rows = [*floor_rows("floor: TCP ping-pong, blocking", block),
-            *floor_rows(f"floor: TCP ping-pong, spin {config.spin_seconds() * 1e6:g} µs", spin)]
+            *floor_rows(f"floor: TCP ping-pong, spin {config.spin_seconds() * 1e6:g} µs", spin),
+            *floor_rows("floor: multiprocessing.Pipe echo", pipe)]
     procs = this_host().spawn_procs(per_host={"dp": 2, "tp": 2}, name="bench")
     try:
-        rows += mesh_rows(procs, payload, plan, block, spin)
+        rows += mesh_rows(procs, payload, plan, block, spin, pipe)
     finally:
         procs.stop()
+    rows += sized_rows(payload, plan, pipe)
     rows += [spawn_row(payload, plan), stop_row(plan), kill_row(plan)]
     print_table(rows)
 

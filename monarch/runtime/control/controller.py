@@ -103,7 +103,7 @@ class Controller:
         self.fan_out(mesh, shape, frame)
 
     def wait(self, state: CallState, deadline: float | None, arrived: int) -> None:
-        self._poller.drive(lambda: len(state.arrived) >= arrived, deadline)
+        self._poller.drive(lambda: len(state.arrived) >= arrived, deadline, lambda: arrived - len(state.arrived))
 
     def wait_until(self, done: Callable[[], bool], deadline: float | None) -> None:
         self._poller.drive(done, deadline)

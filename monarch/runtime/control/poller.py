@@ -4,10 +4,11 @@ A background thread polls while nobody waits, so worker output and failures are 
 A user thread that waits for a reply takes the poller over and handles events itself: the reply is
 read by the thread that needs it, with no hand-off between threads on the hot path.
 
-A worker's frame loop spins for its next message instead (`AdaptiveSpin`): on a virtual machine an idle CPU's
-wake-up costs tens of microseconds, so a process that expects a message within microseconds spins for it
-(MONARCH_SPIN_US); when spinning keeps failing (a slow peer, an oversubscribed host where the spin takes the
-core the peer needs) it stops, and probes again now and then.
+On a virtual machine an idle CPU's wake-up costs tens of microseconds, so a process that expects a message
+within microseconds spins for it (MONARCH_SPIN_US), yielding the core on every turn to whoever is ready to run
+there (the peer that answers, on an oversubscribed host). The waiting controller spins only while fewer replies
+are due than the host has cores; a worker's frame loop (`AdaptiveSpin`) stops spinning when its spins keep
+failing (a slow peer), and probes again now and then.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from monarch import config
 
 log = logging.getLogger("monarch.controller")
 _STEP_ASIDE = 0.005  # seconds the background thread stays off after a user thread took over
+CORES = len(os.sched_getaffinity(0))  # the cores this process may run on (a local job's workers share them)
 
 
 class Poller:
@@ -74,6 +76,7 @@ class Poller:
         if spin and not events:  # a reply usually comes within microseconds: don't let the CPU idle
             until = time.perf_counter() + spin
             while not events and time.perf_counter() < until:
+                os.sched_yield()  # a process ready to run on this core (the one that answers) goes first
                 events = self._ep.poll(0)
         for fd, mask in events or self._ep.poll(timeout):
             if mask & select.EPOLLOUT:
@@ -94,8 +97,10 @@ class Poller:
                 self._bg_polling = False
                 self._io.release()
 
-    def drive(self, done: Callable[[], bool], deadline: float | None) -> None:
-        """Poll in the calling thread until `done()` or the deadline passes."""
+    def drive(self, done: Callable[[], bool], deadline: float | None, expected: Callable[[], int] = lambda: 1) -> None:
+        """Poll in the calling thread until `done()` or the deadline passes. Before each sleep it spins while
+        fewer replies are `expected()` than this host has cores (the peers that answer can run meanwhile); with
+        more, spinning would take a core they need, so it sleeps until they wake it."""
         with self._count_lock:
             self._waiters += 1
         try:
@@ -112,7 +117,7 @@ class Poller:
                         remaining = None if deadline is None else deadline - time.monotonic()
                         if remaining is not None and remaining <= 0:
                             return
-                        self._poll_once(remaining, self._spin)
+                        self._poll_once(remaining, self._spin if expected() < CORES else 0.0)
                 finally:
                     self._io.release()
         finally:
