@@ -5,10 +5,11 @@ A user thread that waits for a reply takes the poller over and handles events it
 read by the thread that needs it, with no hand-off between threads on the hot path.
 
 On a virtual machine an idle CPU's wake-up costs tens of microseconds, so a process that expects a message
-within microseconds spins for it (MONARCH_SPIN_US), yielding the core on every turn to whoever is ready to run
-there (the peer that answers, on an oversubscribed host). The waiting controller spins only while fewer replies
-are due than the host has cores; a worker's frame loop (`AdaptiveSpin`) stops spinning when its spins keep
-failing (a slow peer), and probes again now and then.
+within microseconds spins for it (MONARCH_SPIN_US). The waiting controller spins only while fewer replies are
+due than the host has cores (with more, its spin would take a core the repliers need), and yields its core on
+every turn to a process ready to run there (a worker woken onto it). A worker's frame loop (`AdaptiveSpin`)
+stops spinning when its spins keep failing (a slow peer, an oversubscribed host where the spin takes the core
+the peer needs), and probes again now and then.
 """
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import select
 import socket
 import sys
@@ -135,7 +134,6 @@ class Worker:
                 if time.perf_counter() >= until:
                     self._spin.miss()
                     break
-                os.sched_yield()  # a process ready to run on this core (the worker being called) goes first
         self.sender.idle = True  # its thread waits for the socket too
         try:
             if timeout is not None and not select.select([self.sock], [], [], max(timeout, 0))[0]:
