@@ -70,8 +70,9 @@ def _buckets(instrs: tuple[Instr, ...], limit: int) -> list[_Bucket]:
 
 
 class _Flow:
-    """Which buffers each instruction reads, defines and mutates; tensors that may share memory (views,
-    as the aten schemas say, or any output of a kernel without one) count as one."""
+    """Where each all_reduce's input is last written and its result first read. A write to a tensor that
+    may share memory with the input (a view, as the aten schemas say, or any output of a kernel without
+    one) counts as a write to the input."""
 
     def __init__(self, instrs: tuple[Instr, ...]) -> None:
         self.instrs = instrs
