@@ -1,8 +1,8 @@
 """The owner side of one-sided transfers: this process's registered regions, by slot.
 
-Each region is kept alive (a strong reference to its tensor or memoryview) until it is dropped; a large one is
-moved onto transparent huge pages when it is registered (`prefer_huge_pages`), as RDMA registration pins memory. The slot
-table is a small memfd that processes of this node map read-only through /proc/<pid>/fd/<fd> (it vanishes
+Each region is kept alive (a strong reference to its tensor or memoryview) until it is dropped; a large one
+is moved onto transparent huge pages when it is registered (`prefer_huge_pages`), as RDMA registration pins
+memory. The slot table is a small memfd that processes of this node map read-only through /proc/<pid>/fd/<fd> (it vanishes
 with this process): a process copying with cross-memory attach checks a handle's slot there (cma.py); a
 writer holds a shared record lock on the slot while it copies, and `drop` takes the exclusive lock, so it
 waits for the writes under way, marks the slot gone, then lets the memory go. Transfers this process's door
