@@ -2,12 +2,12 @@
 
 Each region is kept alive (a strong reference to its tensor or memoryview) until it is dropped; a large one
 is moved onto transparent huge pages when it is registered (`prefer_huge_pages`), as RDMA registration pins
-memory. The slot table is a small memfd that processes of this node map read-only through /proc/<pid>/fd/<fd> (it vanishes
-with this process): a process copying with cross-memory attach checks a handle's slot there (cma.py); a
-writer holds a shared record lock on the slot while it copies, and `drop` takes the exclusive lock, so it
-waits for the writes under way, marks the slot gone, then lets the memory go. Transfers this process's door
-serves count in-process instead. Every live region is attached to each MPI window this process owns a side of
-(mpi_rma.py), and detached before its memory is let go.
+memory. The slot table is a small memfd that processes of this node map read-only through
+/proc/<pid>/fd/<fd> (it vanishes with this process): a process copying with cross-memory attach checks a
+handle's slot there (cma.py); a writer holds a shared record lock on the slot while it copies, and `drop`
+takes the exclusive lock, so it waits for the writes under way, marks the slot gone, then lets the memory go.
+Transfers this process's door serves count in-process instead. Every live region is attached to each MPI
+window this process owns a side of (mpi_rma.py), and detached before its memory is let go.
 """
 from __future__ import annotations
 
