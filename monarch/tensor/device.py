@@ -28,7 +28,7 @@ def device_type(device: torch.device | str | int, what: str, mesh_device: str) -
     kind = "cuda" if isinstance(device, int) else torch.device(device).type
     if kind not in TYPES:
         raise DeviceError(f"{what}: device {str(device)!r}: a MeshTensor's pieces live on 'cpu' or 'cuda' (its "
-                          "mesh's GPUs), not on {kind!r}")
+                          f"mesh's GPUs), not on {kind!r}")
     if kind == "cuda" and mesh_device != "cuda":
         raise DeviceError(f"{what}: device {str(device)!r}, but the mesh's workers have no GPU of their own (its "
                           f"device is {mesh_device!r}); spawn the mesh with spawn_procs(device='cuda') on hosts "
@@ -75,28 +75,26 @@ def without_index(kwargs: dict[str, Any]) -> dict[str, Any]:
 def to(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """`Tensor.to` of a MeshTensor: a move to another device type through `_Move`; the rest (a dtype, the same
     device) as plain torch does it."""
-    if args and isinstance(args[0], torch.Tensor):
-        other = args[0]
-        device = getattr(other, "_spec", None).device if hasattr(other, "_spec") else other.device.type
-        dtype, rest = other.dtype, dict(kwargs)
+    if args and isinstance(args[0], torch.Tensor):  # to(other): its device (a MeshTensor's tells the truth)
+        device, dtype = args[0].device, args[0].dtype
     else:
         named = [a for a in args[:1] if isinstance(a, (str, torch.device)) or type(a) is int]  # to(device, ...)
         device = kwargs.get("device", named[0] if named else None)
-        dtype, rest = kwargs.get("dtype", _dtype_arg(args)), kwargs
-    return move(t, device, dtype, rest, "Tensor.to")
+        dtype = kwargs.get("dtype", _dtype_arg(args))
+    return move(t, device, dtype, bool(kwargs.get("copy")), "Tensor.to")
 
 
 def cpu(t: torch.Tensor, memory_format: torch.memory_format = torch.preserve_format) -> Any:
-    return move(t, "cpu", None, {}, "Tensor.cpu")
+    return move(t, "cpu", None, False, "Tensor.cpu")
 
 
 def cuda(t: torch.Tensor, device: torch.device | str | int | None = None, non_blocking: bool = False,
          memory_format: torch.memory_format = torch.preserve_format) -> Any:
-    return move(t, "cuda" if device is None else device, None, {}, "Tensor.cuda")
+    return move(t, "cuda" if device is None else device, None, False, "Tensor.cuda")
 
 
-def move(t: torch.Tensor, device: torch.device | str | int | None, dtype: torch.dtype | None,
-         rest: dict[str, Any], what: str) -> Any:
+def move(t: torch.Tensor, device: torch.device | str | int | None, dtype: torch.dtype | None, copy: bool,
+         what: str) -> Any:
     """`t` on `device` (its type) and `dtype`: a recorded `_to_copy` when the device type changes; otherwise
     NotImplemented, so plain torch runs the rest (a dtype change, a copy)."""
     spec: Spec = t._spec  # type: ignore[attr-defined]
@@ -106,7 +104,7 @@ def move(t: torch.Tensor, device: torch.device | str | int | None, dtype: torch.
     if kind == spec.device:
         return NotImplemented
     out = _Move.apply(t, kind)
-    return out if dtype is None or dtype == out.dtype else out.to(dtype, copy=bool(rest.get("copy")))
+    return out if dtype is None or dtype == out.dtype else out.to(dtype, copy=copy)
 
 
 def made_then_moved(func: Any, args: tuple, kwargs: dict, run: Callable[[Any, tuple, dict], Any]) -> Any:
@@ -116,7 +114,7 @@ def made_then_moved(func: Any, args: tuple, kwargs: dict, run: Callable[[Any, tu
     out = run(func, args, {**kwargs, "device": torch.device("cpu")})
     if not hasattr(out, "_spec"):
         return out
-    return move(out, kwargs["device"], None, {}, getattr(func, "__name__", str(func)))
+    return move(out, kwargs["device"], None, False, getattr(func, "__name__", str(func)))
 
 
 def gpu_named(kwargs: dict) -> bool:

@@ -7,6 +7,7 @@ packs the reply of a synchronising program (the fetched value, or the first erro
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -169,6 +170,7 @@ def _pinned(x: torch.Tensor) -> torch.Tensor:
     return host.copy_(x)
 
 
+@functools.cache
 def nccl_usable() -> bool:
     """Whether NCCL can run this worker's CUDA collectives: torch has it, and no other rank of this host shares
     this worker's GPU (NCCL refuses two ranks on one device)."""

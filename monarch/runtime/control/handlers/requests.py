@@ -127,9 +127,8 @@ def _device_of(mesh: Job, wanted: str) -> str:
     rank has no GPU, or shares one unasked, or ranks that disagree, raise SpawnError."""
     per_host = Counter(mesh.hosts)
     devices = [mesh_device(wanted, g, per_host[h]) for g, h in zip(mesh.gpus, mesh.hosts, strict=True)]
-    where = {d: next(r for r, x in enumerate(devices) if x == d) for d in devices}
-    if len(where) > 1:
-        r = where["cpu"]
+    if len(set(devices)) > 1:
+        r = devices.index("cpu")
         raise SpawnError(f"proc mesh {mesh.name!r}: rank {r} (host {mesh.hosts[r]}) has no GPU of its own ("
                          f"{mesh.gpus[r]} for {per_host[mesh.hosts[r]]} ranks there) while other ranks do; pass "
                          "spawn_procs(device='cpu'), or as many processes per host as each host has GPUs")

@@ -1,6 +1,6 @@
 """Same-node transfers by cross-memory attach: one copy, straight between the two processes' memory, and the
-owner runs nothing for it. Small copies go through the owner's /proc/<pid>/mem (one pread or pwrite, no page
-pinning: half the cost of process_vm_readv for a few bytes); larger ones by process_vm_readv / process_vm_writev,
+owner runs nothing for it. Small reads go through the owner's /proc/<pid>/mem (one pread, no page pinning:
+half the cost of process_vm_readv for a few bytes); the rest by process_vm_readv / process_vm_writev,
 split among a few threads from SPLIT_BYTES on (as a NIC's engines copy in parallel), with both sides on huge pages
 where the kernel allows (the owner's at registration, this side's on its first large copy).
 
