@@ -183,7 +183,7 @@ def _bootstrap(procs: ProcMesh, fn: Callable[[], Any]) -> None:
 
 def _device(device: str | None, shape: Shape, local: bool) -> str:
     """spawn_procs's device, checked: a CUDA mesh on this host alone needs a GPU here (checked before mpiexec)."""
-    wanted = config.device() if device is None else str(device).lower()
+    wanted = config.device() if device is None else str(device).lower().split(":")[0]  # also a torch.device
     if wanted not in ("auto", "cpu", "cuda"):
         raise SpawnError(f"spawn_procs(device={device!r}): the device type is 'cpu' or 'cuda' (or None: cuda where "
                          "each process can have a GPU of its own)")
