@@ -1,9 +1,11 @@
 # make demo: create .venv, install monarch, run the main example on a local 4-process mesh.
-# make test: create/update .venv, run the whole test suite but the cluster, data-plane and OpInfo tiers.
+# make test: create/update .venv, run the whole test suite but the cluster, data-plane, OpInfo and end-to-end tiers.
 # make test-dataplane: the data-plane tier (marked `dataplane`): one-sided transfers (monarch.rdma), to_mesh and
 #   its examples, shared-memory collectives.
 # make test-opinfo: the OpInfo tier (marked `opinfo`): torch's OpInfo samples of every op monarch claims, sharded
 #   on a real mesh against plain torch (about 2 minutes).
+# make test-e2e: the end-to-end tier (marked `end_to_end`): tests/end_to_end, models and examples trained on
+#   real meshes against plain torch (about 1.5 minutes).
 # make test-cluster: the cluster tier (tests/cluster): the launchers (attach agents, Kubernetes manifests) and
 #   meshes across test hosts made of network namespaces with a real sshd and Slurm (those need root and
 #   .ci/cluster-packages; they skip with one line otherwise).
@@ -13,7 +15,7 @@ PY     := $(VENV)/bin/python
 # the venv's MPICH mpiexec must come before any system-wide mpiexec of another MPI
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-opinfo test-dataplane test-cluster bench clean pyverbs
+.PHONY: demo test test-opinfo test-e2e test-dataplane test-cluster bench clean pyverbs
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,10 +26,13 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not cluster and not dataplane and not opinfo"
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not cluster and not dataplane and not opinfo and not end_to_end"
 
 test-opinfo: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider -m opinfo
+
+test-e2e: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider -m "end_to_end and not cluster"
 
 # rdma-core's pyverbs (Debian's python3-pyverbs, built for the system python3) where its extension modules fit
 # the venv's python: a .pth adds a directory holding only a link to it (never the rest of dist-packages)

@@ -48,12 +48,14 @@ def leftovers(owner: int, allowed: set[int], timeout: float = 10.0) -> dict[int,
 
 DATAPLANE = ("rdma", "runtime/engine", "runtime/session/test_to_mesh.py", "end_to_end/test_mesh_to_mesh_examples.py")
 OPINFO = ("graph/test_opinfo.py",)  # the OpInfo sweep: every sample of every claimed op on a real mesh
+END_TO_END = ("end_to_end",)  # models and examples trained on real meshes against plain torch
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `slow` every test that starts worker processes: it uses a mesh fixture, or its module spawns; and
     `dataplane` the tests of the data plane (their own tier, `make test-dataplane`), `opinfo` the OpInfo sweep
-    (`make test-opinfo`)."""
+    (`make test-opinfo`), `end_to_end` the end-to-end training runs (`make test-e2e`; the data-plane examples
+    stay in theirs)."""
     spawns: dict[Path, bool] = {}
     tests = Path(__file__).resolve().parent
     for item in items:
@@ -63,6 +65,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.dataplane)
         if where.startswith(OPINFO):
             item.add_marker(pytest.mark.opinfo)
+        if where.startswith(END_TO_END) and not where.startswith(DATAPLANE):
+            item.add_marker(pytest.mark.end_to_end)
         if path not in spawns:
             spawns[path] = "spawn_procs(" in path.read_text()
         if spawns[path] or "procs" in getattr(item, "fixturenames", ()):
