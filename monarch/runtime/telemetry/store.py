@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from monarch import config
 from monarch.errors import MonarchError
 from monarch.runtime.telemetry.events import TABLES, WORKER_TABLES, Events, width
@@ -164,6 +162,7 @@ class Store:
         return self._con
 
     def _load(self, con: Any) -> None:
+        import numpy as np  # with DuckDB, on the first query: processes that never query (workers) never load it
         with self._lock:
             pending, self._pending = self._pending, {t: deque() for t in TABLES}
             self._pending_rows = dict.fromkeys(TABLES, 0)
