@@ -82,6 +82,8 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
          "(default: the first device with an active port)"),
     Flag("MONARCH_WORKSPACE_DIR", "~/.cache/monarch/workspaces", "where workers keep the copies sync_workspace "
          "makes: <dir>/<hostname>/<name>-<hash of the source path>"),
+    Flag("MONARCH_WORKSPACE_STREAM", "1", "1: sync_workspace streams the files each host lacks over a TCP connection "
+         "to that host's writer (control-plane frames where it cannot connect); 0: always in control-plane frames"),
 ]}
 
 
@@ -306,6 +308,10 @@ def rdma_device() -> tuple[str, int]:
 def workspace_dir() -> str:
     """MONARCH_WORKSPACE_DIR with `~` expanded (read on the workers, which keep the copies)."""
     return os.path.expanduser(_str("MONARCH_WORKSPACE_DIR"))
+
+
+def workspace_stream() -> bool:
+    return _bool("MONARCH_WORKSPACE_STREAM")
 
 
 def attach_secret() -> str:

@@ -101,15 +101,18 @@ def part_of(dest: Path) -> Path:
     return dest.with_name(f".{hashlib.sha256(os.fsencode(dest.name)).hexdigest()[:16]}{PART}")
 
 
+def create(path: Path) -> int:
+    """A descriptor of `path` made afresh for writing (whatever held the name is removed first), never
+    following a link."""
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
 def write_at(path: Path, data: bytes, offset: int, mode: int | None = None) -> None:
-    """Write `data` at `offset` of `path` without following a link: offset 0 starts a new file (whatever
-    held the name is removed first); `mode`, when given, is set as the last write lands."""
-    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    if offset == 0:
-        with suppress(FileNotFoundError):
-            os.unlink(path)
-        flags |= os.O_CREAT | os.O_EXCL
-    fd = os.open(path, flags, 0o600)
+    """Write `data` at `offset` of `path` without following a link: offset 0 starts a new file (`create`);
+    `mode`, when given, is set as the last write lands."""
+    fd = create(path) if offset == 0 else os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         view = memoryview(data)
         while view:
@@ -119,6 +122,19 @@ def write_at(path: Path, data: bytes, offset: int, mode: int | None = None) -> N
             os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+def begin(copy: Path, rel: str) -> tuple[Path, Path]:
+    """(the path of `rel` in the copy, its part file), the directories it needs made."""
+    dest = target(copy, rel)
+    make_parents(copy, dest)
+    return dest, part_of(dest)
+
+
+def land(part: Path, dest: Path) -> None:
+    """A complete part file takes its name, and the name's stale bytecode goes."""
+    os.replace(part, dest)
+    drop_bytecode(dest)
 
 
 def drop_bytecode(path: Path) -> None:
@@ -133,9 +149,7 @@ def write_piece(copy: Path, piece: Piece, hashers: dict[str, Any]) -> None:
     """Write one piece of a file to its part file (pieces of a file come in order; `hashers` holds the hash
     of each file begun); the last piece checks the hash, sets the mode and replaces the file."""
     rel, offset, data, size, sha, mode = piece
-    dest = target(copy, rel)
-    part = part_of(dest)
-    make_parents(copy, dest)
+    dest, part = begin(copy, rel)
     last = offset + len(data) >= size
     write_at(part, data, offset, mode & 0o777 if last else None)
     hasher = hashers[rel] = hashlib.sha256() if offset == 0 else hashers[rel]
@@ -146,8 +160,7 @@ def write_piece(copy: Path, piece: Piece, hashers: dict[str, Any]) -> None:
         part.unlink()
         raise WorkspaceError(f"{rel} arrived with another sha256 than it was sent with (the source changed "
                              "while it was being sent); sync again")
-    os.replace(part, dest)
-    drop_bytecode(dest)
+    land(part, dest)
 
 
 def write_manifest(copy: Path, files: Manifest) -> None:

@@ -1,8 +1,9 @@
 """Workspace sync: copy a directory of the user's code to every host of a proc mesh, once per content change.
 
-The controller hashes the tree; one agent per host says which files its copy lacks, and only those travel,
-in batches well within MONARCH_MAX_FRAME. Then every rank puts its host's copy first on `sys.path` and
-reloads the modules whose files changed, so actor classes of the user's package resolve on hosts without it.
+The controller hashes the tree (again only the files whose size or timestamps changed); one agent per host
+says which files its copy lacks, and only those travel: streamed to all hosts at once (stream.py), or in
+batches well within MONARCH_MAX_FRAME. Then every rank puts its host's copy first on `sys.path` and reloads
+the modules whose files changed, so actor classes of the user's package resolve on hosts without it.
 """
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import stat
 import sys
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FunctionType, ModuleType
@@ -24,19 +24,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from monarch.cluster.copies import (MANIFEST, Manifest, Piece, WorkspaceError, copy_dir, delete, is_file,
                                     read_manifest, write_manifest, write_piece)
+from monarch.cluster.stream import ENTRY_BYTES, Door, Signature, deliver, each, left, signature
 from monarch.runtime.actors.endpoint import Actor, endpoint
+from monarch.runtime.control.client import client
 
 if TYPE_CHECKING:
     from monarch.runtime.actors.actor_mesh import ActorMesh
     from monarch.runtime.control.conn import Mesh
-    from monarch.runtime.control.futures import Future
     from monarch.shape import Shape
 
 AGENT_NAME = "monarch.workspace"  # the reserved actor name of the agents, one per rank
 SKIP_DIRS = frozenset({".git", "__pycache__", ".venv", ".hypothesis", ".pytest_cache"})
 MAX_BATCH = 2 << 20  # bytes of file data per call, when MONARCH_MAX_FRAME allows
-ENTRY_BYTES = 160  # pickled size of one entry's fields besides its path and data
-WINDOW = 4  # write calls in flight per host
+RACY_NS = 100_000_000  # a file whose timestamps are this recent is hashed again next time (see `scan`)
 DEPTH = lambda name: (name.count("."), name)  # sort key: parents before children
 
 
@@ -62,6 +62,7 @@ class SyncReport:
     seconds: float
     reloaded: tuple[str, ...]
     remote_path: dict[str, str]  # hostname -> the copy on that host
+    via: dict[str, str] = field(default_factory=dict)  # hostname -> "stream", "frames", or "" (nothing to send)
 
 
 # --- the tree on the controller ------------------------------------------------------------------------
@@ -71,22 +72,53 @@ def file_sha(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def walk(root: Path) -> Iterator[tuple[str, Path]]:
-    """(posix relpath, path) of each file to ship, sorted: skipped names left out, linked directories not
-    entered, and a linked file only when its target lies inside the tree."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            rel, real = path.relative_to(root).as_posix(), path.resolve()
-            if not name.endswith(".pyc") and rel != MANIFEST and real.is_file() and real.is_relative_to(root):
-                yield rel, path
+def walk(root: Path, prefix: str = "") -> Iterator[tuple[str, Path]]:
+    """(posix relpath, path) of each file to ship, sorted, a directory's files before its subdirectories:
+    skipped names left out, linked directories not entered, and a linked file only when its target lies
+    inside the tree."""
+    with os.scandir(root / prefix if prefix else root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        rel = prefix + e.name
+        if e.is_symlink():
+            real = Path(e.path).resolve()
+            shipped = real.is_file() and real.is_relative_to(root)
+        else:
+            shipped = e.is_file(follow_symlinks=False)
+        if shipped and not e.name.endswith(".pyc") and rel != MANIFEST:
+            yield rel, Path(e.path)
+    for e in entries:
+        if e.name not in SKIP_DIRS and e.is_dir(follow_symlinks=False):
+            yield from walk(root, f"{prefix}{e.name}/")
 
 
 def manifest(root: Path) -> Manifest:
     """{relpath: (size, sha256, permission bits)} of the files `walk` ships."""
     return {rel: (st.st_size, file_sha(path), stat.S_IMODE(st.st_mode)) for rel, path in walk(root)
             for st in (path.stat(),)}
+
+
+_HASHED: dict[Path, dict[str, tuple[Signature, str]]] = {}  # root -> relpath -> (signature, sha256)
+
+
+def scan(root: Path) -> tuple[Manifest, dict[str, Signature]]:
+    """`manifest(root)` and each file's signature, hashing only the files whose signature changed since the
+    last scan of `root`. A hash is kept only for a file whose timestamps are older than the scan by RACY_NS
+    (far more than a timestamp's granularity): a later write then changes them, however soon it comes."""
+    known, kept = _HASHED.get(root, {}), {}
+    files: Manifest = {}
+    sigs: dict[str, Signature] = {}
+    racy = time.time_ns() - RACY_NS
+    for rel, path in walk(root):
+        st = path.stat()
+        sig = signature(st)
+        old = known.get(rel)
+        sha = old[1] if old and old[0] == sig else file_sha(path)
+        if max(st.st_mtime_ns, st.st_ctime_ns) < racy:
+            kept[rel] = (sig, sha)
+        files[rel], sigs[rel] = (st.st_size, sha, stat.S_IMODE(st.st_mode)), sig
+    _HASHED[root] = kept
+    return files, sigs
 
 
 def copy_name(root: Path) -> str:
@@ -108,45 +140,17 @@ def manifest_chunks(files: Manifest, budget: int) -> Iterator[Manifest]:
     yield part
 
 
-def batches(root: Path, wanted: list[str], files: Manifest, budget: int) -> Iterator[list[Piece]]:
-    """The wanted files as write batches: small files share a batch, a large one goes in pieces."""
-    batch: list[Piece] = []
-    used = 0
-    for rel in wanted:
-        size, sha, mode = files[rel]
-        meta = len(os.fsencode(rel)) + ENTRY_BYTES
-        with open(root / rel, "rb") as f:
-            offset = 0
-            while True:
-                room = budget - used - meta
-                if room <= 0:
-                    if not batch:
-                        raise WorkspaceError(f"the path {rel!r} is too long to send within MONARCH_MAX_FRAME; raise it")
-                    yield batch
-                    batch, used = [], 0
-                    continue
-                want = min(room, size - offset)
-                data = f.read(want)
-                if len(data) < want:
-                    raise WorkspaceError(f"{root / rel} shrank while it was being sent; sync again")
-                batch.append((rel, offset, data, size, sha, mode))
-                used += meta + len(data)
-                offset += len(data)
-                if offset >= size:
-                    break
-    if batch:
-        yield batch
-
-
 # --- the copy on a host (monarch/cluster/copies.py) ---------------------------------------------------
 
 @dataclass
 class Staged:
-    """One sync in progress on a host's writer: the copy, what it held, what the source has, files begun."""
+    """One sync in progress on a host's writer: the copy, what it held, what the source has, files begun, and
+    the door of the stream, when one was opened."""
     copy: Path
     old: Manifest
     new: Manifest = field(default_factory=dict)
     hashers: dict[str, Any] = field(default_factory=dict)  # relpath -> sha256 of the pieces written so far
+    door: Door | None = None
 
 
 def reload_changed(copy: Path, changed: set[str]) -> list[str]:
@@ -216,6 +220,16 @@ class WorkspaceAgent(Actor):
         return len(gone)
 
     @endpoint
+    def open_door(self, name: str, timeout: float) -> tuple[str, int, bytes] | None:
+        """Where the controller streams the files (address and key); None where no door can be opened."""
+        staged = self._staged[name]
+        try:
+            staged.door = Door(client().reach_host(), staged.copy, timeout)
+        except OSError:
+            return None
+        return (*staged.door.address, staged.door.key)
+
+    @endpoint
     def write(self, name: str, pieces: list[Piece]) -> None:
         staged = self._staged[name]
         for piece in pieces:
@@ -224,7 +238,10 @@ class WorkspaceAgent(Actor):
     @endpoint
     def finish(self, name: str) -> str:
         staged = self._staged.pop(name)
-        write_manifest(staged.copy, staged.new)
+        if staged.door is not None:
+            staged.door.close()
+        if staged.new != staged.old or not is_file(staged.copy / MANIFEST):
+            write_manifest(staged.copy, staged.new)
         return str(staged.copy)
 
     @endpoint
@@ -262,28 +279,6 @@ def writers(procs: ProcMesh) -> dict[str, ActorMesh]:
     return {host: _AGENTS[mesh].slice(**mesh.shape.point(rank)) for host, rank in first.items()}
 
 
-def left(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
-
-
-def send_files(hosts: dict[str, ActorMesh], wanted: dict[str, list[str]], name: str, root: Path,
-               files: Manifest, budget: int, deadline: float) -> None:
-    """Write each host's wanted files, hosts taking turns, at most WINDOW calls in flight per host."""
-    streams = {host: batches(root, wanted[host], files, budget) for host in hosts}
-    inflight: deque[Future[None]] = deque()
-    while streams:
-        for host, stream in list(streams.items()):
-            batch = next(stream, None)
-            if batch is None:
-                del streams[host]
-                continue
-            inflight.append(hosts[host].write.call_one(name, batch))
-            while len(inflight) > WINDOW * len(hosts):
-                inflight.popleft().get(timeout=left(deadline))
-    for fut in inflight:
-        fut.get(timeout=left(deadline))
-
-
 def sync_workspace(procs: ProcMesh, path: str | os.PathLike[str], *, reload: bool = True,
                    timeout: float = 300) -> SyncReport:
     """Copy directory `path` to every host of `procs` (only what changed since the last sync), put the copy
@@ -294,26 +289,20 @@ def sync_workspace(procs: ProcMesh, path: str | os.PathLike[str], *, reload: boo
     if not root.is_dir():
         why = "is not a directory" if root.exists() else "does not exist"
         raise WorkspaceError(f"sync_workspace copies a directory; {os.fspath(path)!r} ({root}) {why}")
-    files = manifest(root)
+    files, sigs = scan(root)
     hosts = writers(procs)
     name, budget = copy_name(root), min(procs._mesh.max_frame // 2, MAX_BATCH)  # bytes of paths and data per call
     wanted: dict[str, list[str]] = {host: [] for host in hosts}
     for i, part in enumerate(manifest_chunks(files, budget)):
-        for host, lacking in _each(hosts, lambda a: a.compare.call_one(name, part, i == 0), deadline).items():
+        for host, lacking in each(hosts, lambda a: a.compare.call_one(name, part, i == 0), deadline).items():
             wanted[host] += lacking
-    deleted = _each(hosts, lambda a: a.prune.call_one(name), deadline)
-    send_files(hosts, wanted, name, root, files, budget, deadline)
-    remote = _each(hosts, lambda a: a.finish.call_one(name), deadline)
+    deleted = each(hosts, lambda a: a.prune.call_one(name), deadline)
+    via = deliver(hosts, wanted, name, root, files, sigs, budget, deadline)
+    remote = each(hosts, lambda a: a.finish.call_one(name), deadline)
     view = _AGENTS[procs._mesh]._with_shape(procs._shape)  # the agents of this view's ranks
     reloaded = view.activate.call(name, reload).get(timeout=left(deadline)).values()
     return SyncReport(
         hosts=tuple(hosts), files_total=len(files), files_sent=sum(map(len, wanted.values())),
         bytes_sent=sum(files[rel][0] for w in wanted.values() for rel in w), files_deleted=sum(deleted.values()),
         seconds=time.monotonic() - t0, reloaded=tuple(dict.fromkeys(n for names in reloaded for n in names)),
-        remote_path=remote)
-
-
-def _each(hosts: dict[str, ActorMesh], call: Callable[[ActorMesh], Future[Any]], deadline: float) -> dict[str, Any]:
-    """Start `call(agent)` on every host's writer, then wait for all: hostname -> answer."""
-    futures = {host: call(agent) for host, agent in hosts.items()}
-    return {host: fut.get(timeout=left(deadline)) for host, fut in futures.items()}
+        remote_path=remote, via=via)

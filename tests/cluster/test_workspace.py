@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from monarch.actor import ActorError, ProcMesh, this_host
 from monarch.cluster.copies import MANIFEST, WorkspaceError, delete, write_piece
-from monarch.cluster.workspace import ENTRY_BYTES, batches, copy_name, manifest, reload_order, sync_workspace, walk
+from monarch.cluster.stream import ENTRY_BYTES, batches
+from monarch.cluster.workspace import copy_name, manifest, reload_order, sync_workspace, walk
 
 T = 60  # seconds: bound of every wait
 LIMIT = 256 << 10  # MONARCH_MAX_FRAME of the mesh: a batch is at most half of it
