@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -30,7 +31,7 @@ from monarch.runtime.control.commands import (CONTROLLER, Busy, Call, Forward, H
 from monarch.runtime.control.futures import CallState
 from monarch.runtime.control.heartbeat import Sender
 from monarch.runtime.control.poller import AdaptiveSpin
-from monarch.runtime.telemetry.events import Collector
+from monarch.runtime.telemetry.events import Collector, imported
 from monarch.shape import Shape
 
 IMPORT_GRACE_S = 120.0  # how long loading torch (it holds the GIL, so no heartbeat goes out) may take
@@ -171,17 +172,26 @@ class Worker:
         it while decoding, which holds the GIL for seconds on a loaded machine, and a very large frame (a big
         tensor argument) takes a while to unpickle: the controller is told first (Busy), so that the missing
         heartbeats meanwhile do not fail this worker."""
-        importing = not self._torch_loaded and b"torch" in body and "torch" not in sys.modules
-        self._torch_loaded = self._torch_loaded or "torch" in sys.modules
+        importing = not self._torch_loaded and b"torch" in body and imported("torch") is None
+        self._torch_loaded = self._torch_loaded or imported("torch") is not None
         if not importing and len(body) < BIG_FRAME:
             return codec.decode_frame(body)
         grace = IMPORT_GRACE_S if importing else max(30.0, len(body) / BIG_FRAME * 10.0)
-        self.sender.sendall(codec.encode_frame([Busy(grace, "loading torch" if importing else "a large frame")]))
         try:
-            return codec.decode_frame(body)
+            with self.busy(grace, "loading torch" if importing else "a large frame"):
+                return codec.decode_frame(body)
+        finally:
+            self._torch_loaded = imported("torch") is not None
+
+    @contextmanager
+    def busy(self, seconds: float, why: str) -> Iterator[None]:
+        """Run the block with the controller told to excuse this worker's silence for up to `seconds` (a block
+        that holds the GIL for long stretches keeps heartbeats from going out)."""
+        self.sender.sendall(codec.encode_frame([Busy(seconds, why)]))
+        try:
+            yield
         finally:
             self.sender.sendall(codec.encode_frame([Busy(0.0, "")]))  # silence counts again
-            self._torch_loaded = "torch" in sys.modules
 
     def _lost(self, err: Exception) -> None:
         self._stopped = True

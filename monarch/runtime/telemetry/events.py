@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 from monarch import config
@@ -105,10 +106,17 @@ def rss_bytes() -> int:
         return 0
 
 
+def imported(name: str) -> ModuleType | None:
+    """Module `name` once its import finished; None before, and while a thread is still importing it (a worker
+    imports torch on a background thread while it starts, and sys.modules holds it from the import's start)."""
+    module = sys.modules.get(name)
+    return None if module is None or getattr(module.__spec__, "_initializing", False) else module
+
+
 def cuda_bytes() -> tuple[int, int, int]:
     """Bytes allocated, reserved and at most allocated so far (torch.cuda.max_memory_allocated) by torch's CUDA
     caching allocator in this process (zeros without CUDA in use); never imports torch or initializes CUDA."""
-    torch = sys.modules.get("torch")
+    torch = imported("torch")
     if torch is None or not torch.cuda.is_initialized():
         return 0, 0, 0
     devices = range(torch.cuda.device_count())
