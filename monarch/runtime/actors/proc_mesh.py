@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from importlib import import_module
-from typing import Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from monarch.errors import MeshError
 from monarch.runtime.actors.actor_mesh import HOLDS, ActorMesh, resolved
@@ -22,14 +22,15 @@ from monarch.runtime.actors.context import context
 from monarch.runtime.actors.endpoint import Actor, endpoints_of
 from monarch.runtime.actors.log_options import Applied, logging_option
 from monarch.runtime.control import codec
-from monarch.runtime.control.handlers import requests
 from monarch.runtime.control.client import client, tensor_api
 from monarch.runtime.control.commands import MeshRequest, ProcsInfo, SpawnActor, SpawnActors, StopProcs
-from monarch.runtime.control.conn import Job
-from monarch.runtime.control.controller import controller
 from monarch.runtime.control.futures import CallState, Future, one_result
 from monarch.runtime.telemetry.store import STORE, Limits, Rows
 from monarch.shape import MeshView, Shape
+
+if TYPE_CHECKING:
+    from monarch.runtime.control.conn import Job
+    from monarch.runtime.control.controller import Controller
 
 log = logging.getLogger("monarch")
 A = TypeVar("A", bound=Actor)
@@ -40,7 +41,7 @@ SPMD = "monarch.spmd"  # reach these modules on first use, so that the actor lay
 
 def sql(query: str, timeout: float = 30.0, query_timeout: float | None = None) -> Rows:
     """Run SQL over the telemetry of this process and of every running mesh (`monarch.sql`); see ProcMesh.sql."""
-    return controller().telemetry.sql(query, timeout, limits=Limits(query_timeout))
+    return _controller().telemetry.sql(query, timeout, limits=Limits(query_timeout))
 
 
 def debug(n: int = 20, rank: int | None = None, timeout: float = 30.0) -> Rows:
@@ -175,7 +176,7 @@ class ProcMesh(MeshView):
         this mesh's workers recorded (waiting up to `timeout` s; `Rows.late` names the ranks that did
         not answer in time). The query itself runs for up to `query_timeout` s (default
         MONARCH_QUERY_TIMEOUT; 0: no limit), then raises QueryTimeout. Tables: see README.md."""
-        return controller().telemetry.sql(query, timeout, [self._here("sql")._mesh], Limits(query_timeout))
+        return _controller().telemetry.sql(query, timeout, [self._here("sql")._mesh], Limits(query_timeout))
 
     def activate(self) -> Any:
         """Context manager: plain torch factories (torch.randn, torch.zeros, ...) create MeshTensors here."""
@@ -224,13 +225,21 @@ def _unreferenced(mesh_id: int) -> None:
     if mesh.live:
         log.warning("monarch: proc mesh %r is stopped: the last reference to it (a ProcMesh or ActorMesh) is gone; "
                     "stop meshes with procs.stop() or a `with` block", mesh.name)
-    threading.Thread(target=requests.stop_tree, args=(controller(), mesh), name="monarch-unreferenced",
+    from monarch.runtime.control.handlers.requests import stop_tree
+    threading.Thread(target=stop_tree, args=(_controller(), mesh), name="monarch-unreferenced",
                      daemon=True).start()
 
 
 def _record(mesh_id: int) -> Job | None:
     """The controller's record of a job, in the controller's process while the job runs."""
-    return controller().meshes.get(mesh_id) if client().is_controller else None
+    return _controller().meshes.get(mesh_id) if client().is_controller else None
+
+
+def _controller() -> Controller:
+    """This process's controller, its module loaded on first use: a worker unpickles a ProcMesh for every actor
+    it spawns (the actor's context), and loading the controller's modules there cost each worker's start-up."""
+    from monarch.runtime.control.controller import controller
+    return controller()
 
 
 def ask(op: MeshRequest, result: Callable[[CallState], Any] = one_result) -> Future[Any]:
