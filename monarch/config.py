@@ -43,6 +43,11 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_BUCKET_MB", "25", "compiled steps: gradients are reduced as DDP does, all_reduces started as "
          "soon as their inputs are written and bucketed up to this many MiB, the first bucket up to 1 MiB "
          "(0: each gradient is reduced where the optimizer first reads it, blocking)"),
+    Flag("MONARCH_SHARD_UPDATE", "auto", "compiled steps: weight-update sharding (ZeRO-1/2) of parameters "
+         "replicated over a data-parallel mesh dim: their gradients are reduce-scattered, each rank updates its "
+         "slice of them and of the optimizer state, the updated slices are all-gathered. auto: parameters of at "
+         "least MONARCH_SHARD_UPDATE_KB; on: every parameter that can be split; off: none"),
+    Flag("MONARCH_SHARD_UPDATE_KB", "256", "smallest parameter (KiB) whose update MONARCH_SHARD_UPDATE=auto shards"),
     Flag("MONARCH_DEVICE", "auto", "device type of a worker's tensors (spawn_procs(device=) sets it for its workers): "
          "auto (cuda where every rank of a host has a GPU of its own), cpu or cuda"),
     Flag("MONARCH_SHARE_GPUS", "0", "1 lets a CUDA mesh put more processes on a host than it has GPUs (they take "
@@ -209,6 +214,16 @@ def worker_threads() -> int:
 def bucket_bytes() -> int:
     """MONARCH_BUCKET_MB in bytes."""
     return int(_float("MONARCH_BUCKET_MB") * (1 << 20))
+
+
+def shard_update() -> str:
+    """MONARCH_SHARD_UPDATE: auto, on or off."""
+    return _parse("MONARCH_SHARD_UPDATE", _choice("auto", "on", "off"))
+
+
+def shard_update_bytes() -> int:
+    """The smallest parameter, in bytes, whose update is sharded under MONARCH_SHARD_UPDATE=auto."""
+    return int(_float("MONARCH_SHARD_UPDATE_KB") * 1024)
 
 
 TRANSPORTS = ("auto", "mpi", "shm")

@@ -1,11 +1,12 @@
-"""Scheduling of compiled programs: all_reduces start early, in DDP-like buckets, and are waited for late.
+"""Scheduling of compiled programs: collectives start early, in DDP-like buckets, and are waited for late.
 
-A compiled step's gradient all_reduces are recorded where the optimizer step begins, after the whole
-backward. This pass moves each one up to just after the last instruction that writes its input (or any
-tensor sharing its memory), as a non-blocking Start, and leaves a Wait where its result is first read,
-so the reduction overlaps the rest of the backward. As in DDP, all_reduces on the same mesh dim, op and
-dtype share buckets in the order their inputs become ready: the first holds about 1 MiB (communication
-starts early), the others up to `bucket_bytes`; a bucket closes once it reaches its size.
+A compiled step's gradient all_reduces (or, with weight-update sharding, reduce_scatters) are recorded where
+the optimizer step begins, after the whole backward, and the all_gathers of updated slices after it. This pass
+moves each one up to just after the last instruction that writes its input (or any tensor sharing its memory),
+as a Start, and leaves a Wait where its result is first read, so an all_reduce overlaps the rest of the
+backward. As in DDP, collectives of the same kind, mesh dim, op and dtype share buckets in the order their
+inputs become ready: the first holds about 1 MiB (communication starts early), the others up to
+`bucket_bytes`; a bucket closes once it reaches its size. A bucket is one collective over one flat buffer.
 """
 from __future__ import annotations
 
@@ -19,17 +20,19 @@ import torch
 
 from monarch.program.instr import Buf, Comm, Free, Instr, Local, Start, Wait
 from monarch.program.program import RankProgram
+from monarch.tensor.placement import chunk
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+BUCKETED = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
 
 
 def overlap(programs: tuple[RankProgram, ...], bucket_bytes: int) -> tuple[RankProgram, ...]:
-    """The same programs with their all_reduces split into bucketed Starts and Waits."""
+    """The same programs with their all_reduces, reduce_scatters and all_gathers in bucketed Starts and Waits."""
     first = programs[0].instrs
     buckets = _buckets(first, bucket_bytes)
     if not buckets:
         return programs
-    return tuple(RankProgram(p.coords, _rewrite(p.instrs, buckets)) for p in programs)
+    return tuple(RankProgram(p.coords, _rewrite(p.instrs, buckets, p.coords)) for p in programs)
 
 
 @dataclass
@@ -38,7 +41,7 @@ class _Bucket:
     before: int             # ... and not after this one, the earliest of its all_reduces (inputs still alive)
     wait_at: int            # the Wait goes before this instruction: the first that reads a result
     limit: int              # bytes at which the bucket is full
-    members: list[int] = field(default_factory=list)  # indices of the all_reduce Comms
+    members: list[int] = field(default_factory=list)  # indices of the Comms
     nbytes: int = 0
 
     def takes(self, ready: int, i: int) -> bool:
@@ -53,24 +56,25 @@ class _Bucket:
 def _buckets(instrs: tuple[Instr, ...], limit: int) -> list[_Bucket]:
     flow = _Flow(instrs)
     reduces = sorted((flow.ready(i), i) for i, ins in enumerate(instrs)
-                     if isinstance(ins, Comm) and ins.kind == "all_reduce")
+                     if isinstance(ins, Comm) and ins.kind in BUCKETED)
     found: list[_Bucket] = []
-    open_: dict[tuple[int, str, torch.dtype], _Bucket] = {}
+    open_: dict[tuple[str, int, str, torch.dtype], _Bucket] = {}
     for ready, i in reduces:
         c = instrs[i]
         assert isinstance(c, Comm)
-        key = (c.mdim, c.op, c.dtype)
+        key = (c.kind, c.mdim, c.op, c.dtype)
         b = open_.get(key)
         if b is None or not b.takes(ready, i):
             b = _Bucket(ready, i, len(instrs), limit if key in open_ else min(FIRST_BUCKET_BYTES, limit))
             found.append(b)
             open_[key] = b
-        b.add(i, ready, flow.need(i), prod(c.shapes[0]) * c.dtype.itemsize)
+        moved = sum(prod(s) for s in c.shapes) if c.kind == "all_gather" else prod(c.shapes[0])
+        b.add(i, ready, flow.need(i), moved * c.dtype.itemsize)
     return found
 
 
 class _Flow:
-    """Where each all_reduce's input is last written and its result first read. A write to a tensor that
+    """Where each bucketed collective's input is last written and its result first read. A write to a tensor that
     may share memory with the input (a view, as the aten schemas say, or any output of a kernel without
     one) counts as a write to the input."""
 
@@ -92,19 +96,19 @@ class _Flow:
         return i
 
     def ready(self, i: int) -> int:
-        """Index of the last instruction before all_reduce i that writes its input (-1: none); for an input
-        that another all_reduce wrote, the first reader of that one's result (where its Wait goes)."""
+        """Index of the last instruction before collective i that writes its input (-1: none); for an input
+        that another bucketed collective wrote, the first reader of that one's result (where its Wait goes)."""
         c = self.instrs[i]
         assert isinstance(c, Comm)
         group = self.root(c.src)
         for j in range(i - 1, -1, -1):
             w = self.instrs[j]
             if group in self.mutated[j] or c.src in _defines(w):
-                return self.need(j) if isinstance(w, Comm) and w.kind == "all_reduce" else j
+                return self.need(j) if isinstance(w, Comm) and w.kind in BUCKETED else j
         return -1
 
     def need(self, i: int) -> int:
-        """Index of the first instruction after all_reduce i that reads its result (the end: none)."""
+        """Index of the first instruction after collective i that reads its result (the end: none)."""
         out = self.instrs[i]
         assert isinstance(out, Comm)
         return next((k for k in range(i + 1, len(self.instrs)) if out.out in _reads(self.instrs[k])),
@@ -170,7 +174,16 @@ def _schema(op: str) -> torch._C.FunctionSchema | None:
     return getattr(packet, overload or "default")._schema if packet is not None else None
 
 
-def _rewrite(instrs: tuple[Instr, ...], buckets: list[_Bucket]) -> tuple[Instr, ...]:
+def _pieces(c: Comm) -> tuple[tuple[int, ...], ...]:
+    """Each member's piece of collective `c`: its input (all_gather), or the slice it receives (reduce_scatter)."""
+    if c.kind == "all_gather":
+        return c.shapes
+    width = len(c.shapes)
+    return tuple(tuple(chunk(n, width, r)[1] if d == c.dim else n for d, n in enumerate(s))
+                 for r, s in enumerate(c.shapes))
+
+
+def _rewrite(instrs: tuple[Instr, ...], buckets: list[_Bucket], coords: tuple[int, ...]) -> tuple[Instr, ...]:
     starts: dict[int, list[Instr]] = {}
     waits: dict[int, list[Instr]] = {}
     moved = set()
@@ -181,8 +194,12 @@ def _rewrite(instrs: tuple[Instr, ...], buckets: list[_Bucket]) -> tuple[Instr, 
         outs = tuple(c.out for c in comms)  # type: ignore[union-attr]
         c0 = comms[0]
         assert isinstance(c0, Comm)
-        shapes = tuple(c.shapes[0] for c in comms)  # type: ignore[union-attr]
-        starts.setdefault(b.start_at, []).append(Start(srcs, outs, c0.mdim, c0.op, c0.dtype, shapes))
+        shapes = tuple(c.shapes[coords[c0.mdim]] for c in comms)  # type: ignore[union-attr]
+        split = c0.kind != "all_reduce"
+        dims = tuple(c.dim for c in comms) if split else ()  # type: ignore[union-attr]
+        groups = tuple(_pieces(c) for c in comms) if split else ()  # type: ignore[arg-type]
+        starts.setdefault(b.start_at, []).append(Start(srcs, outs, c0.mdim, c0.op, c0.dtype, shapes, c0.kind, dims,
+                                                       groups))
         waits.setdefault(b.wait_at, []).append(Wait(outs))
         moved.update(b.members)
     out: list[Instr] = list(starts.get(-1, []))

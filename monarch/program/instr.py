@@ -80,22 +80,31 @@ class Free:
 
 @dataclass(frozen=True, slots=True)
 class Start:
-    """Begin one all_reduce over mesh dim `mdim` of the buffers `srcs` (a bucket: flattened together)
-    without waiting; the matching Wait stores the results under `outs`. `shapes` are the local shapes."""
+    """Begin one collective over mesh dim `mdim` of the buffers `srcs` (a bucket: packed into one flat buffer)
+    without waiting; the matching Wait stores the results under `outs`. `shapes` are this rank's local input
+    shapes. Kinds: all_reduce (`op`); reduce_scatter (`op`) and all_gather, where src k is split or gathered
+    along `dims[k]` and `groups[k]` holds the shape of each member's piece of it, in group order: the slice
+    it receives (reduce_scatter) or the input it gives (all_gather)."""
     srcs: tuple[int, ...]
     outs: tuple[int, ...]
     mdim: int
     op: str
     dtype: torch.dtype
     shapes: tuple[tuple[int, ...], ...]
+    kind: str = "all_reduce"
+    dims: tuple[int, ...] = ()
+    groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     def __reduce__(self) -> tuple:
-        return (Start, (self.srcs, self.outs, self.mdim, self.op, self.dtype, self.shapes))
+        return (Start, (self.srcs, self.outs, self.mdim, self.op, self.dtype, self.shapes, self.kind, self.dims,
+                        self.groups))
 
     def __repr__(self) -> str:
         outs = ", ".join(repr(Buf(o)) for o in self.outs)
         srcs = ", ".join(repr(Buf(s)) for s in self.srcs)
-        return f"start {outs} = all_reduce({srcs}, {self.op}, mdim={self.mdim})"
+        extra = self.op if self.kind == "all_reduce" else f"{self.op}, dims={self.dims}" \
+            if self.kind == "reduce_scatter" else f"dims={self.dims}"
+        return f"start {outs} = {self.kind}({srcs}, {extra}, mdim={self.mdim})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,6 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from math import prod
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from monarch import config
 from monarch.errors import RemoteError
 from monarch.program.instr import Buf, Comm, Free, Instr, Local, Start, Wait
+from monarch.runtime.engine import buckets
 from monarch.runtime.engine.kernels import KERNELS
 from monarch.runtime.telemetry.events import RECORDER, now_us
 
@@ -179,27 +179,29 @@ class Engine:
                                          self.transport.name(ins.mdim)))
 
     def bucket_input(self, ins: Start) -> torch.Tensor:
-        """The bucket's buffers flattened into one (zeros for poisoned ones)."""
-        parts = []
-        for s, shape in zip(ins.srcs, ins.shapes, strict=True):
-            x = self.store[s]
-            parts.append((torch.zeros(shape, dtype=ins.dtype) if type(x) is Poison else x).reshape(-1))
-        return torch.cat(parts)
+        """The bucket's buffers packed into one flat buffer (zeros for poisoned ones)."""
+        xs = [torch.zeros(shape, dtype=ins.dtype) if type(x) is Poison else x
+              for x, shape in zip((self.store[s] for s in ins.srcs), ins.shapes, strict=True)]
+        return buckets.pack(ins, xs)
 
     def bucket_output(self, ins: Start, flat: torch.Tensor) -> None:
-        at = 0
-        for s, o, shape in zip(ins.srcs, ins.outs, ins.shapes, strict=True):
-            n = prod(shape)
+        results = buckets.unpack(ins, flat, self.coords[ins.mdim])
+        for s, o, out in zip(ins.srcs, ins.outs, results, strict=True):
             x = self.store.get(s)
-            self.store[o] = x if type(x) is Poison else flat[at:at + n].view(shape)
-            at += n
+            self.store[o] = x if type(x) is Poison else out
 
     def start(self, ins: Start) -> None:
+        """An all_reduce bucket starts without waiting (the transport's); the other kinds run now, packed."""
         assert self.transport is not None, "this engine has no transport"
         flat = self.bucket_input(ins)
-        self.pending[ins.outs] = (ins, self.transport.start(ins, flat))
+        if ins.kind == "all_reduce":
+            finish = self.transport.start(ins, flat)
+        else:
+            out = self.transport(buckets.comm(ins), flat, True)
+            finish = lambda: out  # noqa: E731
+        self.pending[ins.outs] = (ins, finish)
         if RECORDER.on:
-            RECORDER.add("collectives", (self.rank, "all_reduce (bucket)", ins.mdim, flat.nbytes, now_us(), 0,
+            RECORDER.add("collectives", (self.rank, f"{ins.kind} (bucket)", ins.mdim, flat.nbytes, now_us(), 0,
                                          self.transport.name(ins.mdim)))
 
     def wait(self, ins: Wait) -> None:

@@ -10,17 +10,15 @@ debug level with the reason). Scalars a helper function reads from its own closu
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from monarch import config
 from monarch.errors import TraceError
@@ -35,8 +33,9 @@ from monarch.runtime.session.installed import FromArgument, FromGrad, FromState,
     KeptGrad, feeds
 from monarch.runtime.session.local import LocalMesh
 from monarch.runtime.session.session import NEW_SESSIONS, Session, all_sessions, session_of
+from monarch.runtime.session.update import at_optimizer_steps
 from monarch.tensor.meshtensor import MeshTensor
-from monarch.tensor.placement import Partial, Replicate
+from monarch.tensor.placement import Replicate
 from monarch.tensor.spec import Spec, spec_of
 
 log = logging.getLogger("monarch.compile")
@@ -93,7 +92,7 @@ class CompiledStep:
         args, kwargs = pytree.tree_unflatten(fed, pytree.tree_flatten((args, kwargs))[1])
         watch = Watch(feed=functools.partial(_feed, target))
         crossmesh.STAGED.clear()
-        with Recording(watch) as rec, capturable_on_cpu(), watch.hooks(), reduced_at_step():
+        with Recording(watch) as rec, capturable_on_cpu(), watch.hooks(), at_optimizer_steps():
             result = self.fn(*args, **kwargs)
         used, captures = rec.used(target), rec.captures
         returned, spec = pytree.tree_flatten(result)
@@ -112,28 +111,6 @@ class CompiledStep:
         for opt in watch.unconverted:
             make_capturable(opt)
         return (None if watch.unconverted else program), result
-
-
-@contextlib.contextmanager
-def reduced_at_step() -> Iterator[None]:
-    """While a step is recorded (and buckets are on), each optimizer step first reduces its parameters'
-    Partial gradients to the parameters' placements, as DDP does: recorded right after the backward, these
-    all_reduces are what schedule.overlap buckets and starts as each gradient is written."""
-    handle = register_optimizer_step_pre_hook(_reduce_grads) if config.bucket_bytes() > 0 else None
-    try:
-        yield
-    finally:
-        if handle is not None:
-            handle.remove()
-
-
-def _reduce_grads(opt: torch.optim.Optimizer, *_: Any) -> None:
-    for group in opt.param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if isinstance(p, MeshTensor) and isinstance(g, MeshTensor) and g._backend is p._backend and \
-                    any(isinstance(x, Partial) for x in g.placements):
-                p.grad = g.redistribute(p.placements)
 
 
 def _places(returned: list[MeshTensor], used: list[Session]) -> tuple[tuple[int, int], ...]:

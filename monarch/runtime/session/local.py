@@ -18,6 +18,7 @@ from monarch.program.program import RankProgram
 from monarch.runtime.control import codec
 from monarch.runtime.control.commands import InvokeProgram
 from monarch.runtime.control.futures import CallState
+from monarch.runtime.engine import buckets
 from monarch.runtime.engine.engine import Engine
 from monarch.runtime.session.session import Fetch, Session
 from monarch.shape import MeshView, Shape, group_coords
@@ -35,7 +36,7 @@ def _bucket(engines: list[Engine], programs: tuple[RankProgram, ...], i: int, si
         done.update(members)
         starts = [cast(Start, programs[index[c]].instrs[i]) for c in members]
         parts = [engines[index[c]].bucket_input(s) for c, s in zip(members, starts, strict=True)]
-        for c, s, out in zip(members, starts, RUN["all_reduce"](parts, starts[0]), strict=True):
+        for c, s, out in zip(members, starts, RUN[starts[0].kind](parts, buckets.comm(starts[0])), strict=True):
             engines[index[c]].bucket_output(s, out)
 
 

@@ -233,8 +233,7 @@ class Session:
     def _comm_names(self, programs: tuple[RankProgram, ...]) -> list[str]:
         """`kind[dim]` of each collective the programs run, in order."""
         names = self.abstract.labels
-        return [f"{i.kind}[{names[i.mdim]}]" if isinstance(i, Comm) else f"all_reduce[{names[i.mdim]}]"
-                for i in programs[0].instrs if isinstance(i, (Comm, Start))]
+        return [f"{i.kind}[{names[i.mdim]}]" for i in programs[0].instrs if isinstance(i, (Comm, Start))]
 
     def synchronize(self, timeout: float | None = None) -> None:
         future = self.flush(sync=True)
