@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 KEY_BYTES = 16
 HEAD = struct.Struct("<IQI")  # path length in bytes (0 ends the stream), file size, permission bits
+TIMEVAL = struct.Struct("@ll")  # SO_RCVTIMEO / SO_SNDTIMEO
 BUFFER = 1 << 20  # bytes per receive
 POLL_S = 0.2  # how often a door waiting for its connection checks whether it was closed
 KEY_S = 5.0  # seconds a connection has to send the key
@@ -75,7 +76,7 @@ class Door:
             if sock is not None:
                 with sock:
                     self._receive(sock)
-        except ConnectionError as e:
+        except (ConnectionError, TimeoutError, BlockingIOError) as e:
             self.error = WorkspaceError(f"the stream into {self.copy} ended early: {e}; the controller stopped "
                                         "sending (see its error) or lost the connection; sync again")
         except BaseException as e:  # noqa: BLE001 - raised again by close(), on the actor's thread
@@ -93,8 +94,7 @@ class Door:
             try:
                 sock.settimeout(KEY_S)
                 if hmac.compare_digest(recv_exact(sock, KEY_BYTES), self.key):
-                    sock.settimeout(max(0.01, self.deadline - time.monotonic()))
-                    return sock
+                    return blocking(sock, self.deadline)
             except OSError:
                 pass  # not the controller: keep waiting for it
             sock.close()
@@ -116,7 +116,7 @@ class Door:
         try:
             left = size
             while left:
-                got = sock.recv_into(buf, min(left, len(buf)))
+                got = sock.recv_into(buf, min(left, len(buf)), socket.MSG_WAITALL)
                 if not got:
                     raise WorkspaceError(f"the stream ended inside {rel}; the controller stopped sending (see its "
                                          "error) or lost the connection; sync again")
@@ -128,6 +128,17 @@ class Door:
         finally:
             os.close(fd)
         land(part, dest)
+
+
+def blocking(sock: socket.socket, deadline: float) -> socket.socket:
+    """`sock` made blocking, each of its sends and receives bounded by the time left until `deadline`: whole
+    buffers move in one call (MSG_WAITALL, sendfile without polls)."""
+    sock.settimeout(None)
+    left = max(0.01, deadline - time.monotonic())
+    limit = TIMEVAL.pack(int(left), int(left % 1 * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+    return sock
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -155,8 +166,7 @@ def send(sock: socket.socket, root: Path, files: Iterable[tuple[str, int, Signat
     """Stream `files` ((relpath, permission bits, the signature it was hashed with)) under `root` into the door
     `sock` is connected to, and wait until it landed them. WorkspaceError: a file changed since it was hashed;
     OSError: the door closed the stream (it says why) or the connection broke."""
-    with sock:
-        sock.settimeout(max(0.01, deadline - time.monotonic()))
+    with blocking(sock, deadline):
         for rel, mode, sig in files:
             _send_file(sock, root, rel, mode, sig)
         sock.sendall(HEAD.pack(0, 0, 0))
@@ -211,14 +221,16 @@ def left(deadline: float) -> float:
 
 
 def deliver(hosts: dict[str, ActorMesh], wanted: dict[str, list[str]], name: str, root: Path, files: Manifest,
-            sigs: dict[str, Signature], budget: int, deadline: float) -> dict[str, str]:
+            sigs: dict[str, Signature], budget: int, deadline: float, hashed: Callable[[], Manifest]) -> dict[str, str]:
     """Send each host the files it lacks: streamed (MONARCH_WORKSPACE_STREAM) where its door can be reached,
-    in control-plane frames otherwise. hostname -> "stream", "frames" or "" (nothing to send)."""
+    in control-plane frames otherwise (their pieces carry the hashes: `hashed()` gives the manifest with all of
+    them). hostname -> "stream", "frames" or "" (nothing to send)."""
     sending = {host: agent for host, agent in hosts.items() if wanted[host]}
     streamed = stream_files(sending, wanted, name, root, files, sigs, deadline) if config.workspace_stream() \
         else set()
     framed = {host: agent for host, agent in sending.items() if host not in streamed}
-    send_files(framed, wanted, name, root, files, budget, deadline)
+    if framed:
+        send_files(framed, wanted, name, root, hashed(), budget, deadline)
     return {host: "stream" if host in streamed else "frames" if host in framed else "" for host in hosts}
 
 

@@ -16,7 +16,8 @@ import stat
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FunctionType, ModuleType
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 AGENT_NAME = "monarch.workspace"  # the reserved actor name of the agents, one per rank
 SKIP_DIRS = frozenset({".git", "__pycache__", ".venv", ".hypothesis", ".pytest_cache"})
 MAX_BATCH = 2 << 20  # bytes of file data per call, when MONARCH_MAX_FRAME allows
-RACY_NS = 100_000_000  # a file whose timestamps are this recent is hashed again next time (see `scan`)
+RACY_NS = 100_000_000  # a file whose timestamps are this recent is hashed again next time (see Source)
 DEPTH = lambda name: (name.count("."), name)  # sort key: parents before children
 
 
@@ -101,24 +102,51 @@ def manifest(root: Path) -> Manifest:
 _HASHED: dict[Path, dict[str, tuple[Signature, str]]] = {}  # root -> relpath -> (signature, sha256)
 
 
-def scan(root: Path) -> tuple[Manifest, dict[str, Signature]]:
-    """`manifest(root)` and each file's signature, hashing only the files whose signature changed since the
-    last scan of `root`. A hash is kept only for a file whose timestamps are older than the scan by RACY_NS
-    (far more than a timestamp's granularity): a later write then changes them, however soon it comes."""
-    known, kept = _HASHED.get(root, {}), {}
-    files: Manifest = {}
-    sigs: dict[str, Signature] = {}
-    racy = time.time_ns() - RACY_NS
-    for rel, path in walk(root):
-        st = path.stat()
-        sig = signature(st)
-        old = known.get(rel)
-        sha = old[1] if old and old[0] == sig else file_sha(path)
-        if max(st.st_mtime_ns, st.st_ctime_ns) < racy:
-            kept[rel] = (sig, sha)
-        files[rel], sigs[rel] = (st.st_size, sha, stat.S_IMODE(st.st_mode)), sig
-    _HASHED[root] = kept
-    return files, sigs
+@dataclass
+class Source:
+    """The tree on the controller as one sync sees it: each file's size, mode and signature at the scan, and
+    its sha256 once known: kept from an earlier scan while the signature holds, else computed when asked
+    (only where a host holds a file of that size, before the files travel; the rest while they do)."""
+    root: Path
+    entries: dict[str, tuple[int, int]]  # relpath -> (size, permission bits)
+    sigs: dict[str, Signature]
+    shas: dict[str, str]
+    racy: int  # ns since the epoch: a file with newer timestamps may change again within their granularity
+
+    @classmethod
+    def scan(cls, root: Path) -> Source:
+        known = _HASHED.get(root, {})
+        src = cls(root, {}, {}, {}, time.time_ns() - RACY_NS)
+        for rel, path in walk(root):
+            st = path.stat()
+            src.entries[rel], src.sigs[rel] = (st.st_size, stat.S_IMODE(st.st_mode)), signature(st)
+            if rel in known and known[rel][0] == src.sigs[rel]:
+                src.shas[rel] = known[rel][1]
+        _HASHED[root] = {rel: known[rel] for rel in src.shas}
+        return src
+
+    def files(self, rels: Iterable[str] | None = None) -> Manifest:
+        """The manifest of `rels` (default all), "" for a hash not computed yet."""
+        return {rel: (self.entries[rel][0], self.shas.get(rel, ""), self.entries[rel][1])
+                for rel in (self.entries if rels is None else rels)}
+
+    def hash(self, rels: Iterable[str]) -> Manifest:
+        """Compute the missing hashes of `rels` (each file checked against its signature), remember those a
+        later scan may trust; the manifest of `rels`."""
+        rels = list(rels)
+        for rel in rels:
+            if rel not in self.shas:
+                with open(self.root / rel, "rb") as f:
+                    sha = hashlib.file_digest(f, "sha256").hexdigest()
+                    if signature(os.fstat(f.fileno())) != self.sigs[rel]:
+                        raise WorkspaceError(f"{self.root / rel} changed while it was being synced; sync again")
+                self.shas[rel] = sha
+        kept = _HASHED.setdefault(self.root, {})
+        for rel in rels:
+            _, mtime, ctime = self.sigs[rel]
+            if max(mtime, ctime) < self.racy:
+                kept[rel] = (self.sigs[rel], self.shas[rel])
+        return self.files(rels)
 
 
 def copy_name(root: Path) -> str:
@@ -200,15 +228,27 @@ class WorkspaceAgent(Actor):
         self._seen: dict[str, dict[str, str]] = {}  # copy name -> {source relpath: sha} as last reloaded
 
     @endpoint
-    def compare(self, name: str, files: Manifest, first: bool) -> list[str]:
-        """The relpaths of `files` the copy lacks or holds with another size or hash (`first`: a new sync)."""
+    def compare(self, name: str, files: Manifest, first: bool) -> tuple[list[str], list[str]]:
+        """The relpaths of `files` the copy lacks or holds with another size, mode or hash, and those it holds
+        with the same size and mode whose hash the controller did not send (`first`: a new sync)."""
         if first:
             copy = copy_dir(name)
             self._staged[name] = Staged(copy, read_manifest(copy))
         staged = self._staged[name]
         staged.new.update(files)
-        return [rel for rel, entry in files.items()
-                if staged.old.get(rel) != tuple(entry) or not is_file(staged.copy / rel, entry[0])]
+        lacking, unsure = [], []
+        for rel, (size, sha, mode) in files.items():
+            old = staged.old.get(rel)
+            if old is None or (old[0], old[2]) != (size, mode) or not is_file(staged.copy / rel, size):
+                lacking.append(rel)
+            elif old[1] != sha:
+                (lacking if sha else unsure).append(rel)
+        return lacking, unsure
+
+    @endpoint
+    def record(self, name: str, files: Manifest) -> None:
+        """The hashes of files compared without one."""
+        self._staged[name].new.update(files)
 
     @endpoint
     def prune(self, name: str) -> int:
@@ -240,6 +280,7 @@ class WorkspaceAgent(Actor):
         staged = self._staged.pop(name)
         if staged.door is not None:
             staged.door.close()
+        assert all(sha for _, sha, _ in staged.new.values()), "a file of the manifest has no hash"
         if staged.new != staged.old or not is_file(staged.copy / MANIFEST):
             write_manifest(staged.copy, staged.new)
         return str(staged.copy)
@@ -279,6 +320,25 @@ def writers(procs: ProcMesh) -> dict[str, ActorMesh]:
     return {host: _AGENTS[mesh].slice(**mesh.shape.point(rank)) for host, rank in first.items()}
 
 
+def compare(hosts: dict[str, ActorMesh], name: str, source: Source, budget: int,
+            deadline: float) -> dict[str, list[str]]:
+    """hostname -> the relpaths its copy lacks; files a host holds with the size and mode of the source are
+    hashed (if they were not) and compared again."""
+    wanted: dict[str, list[str]] = {host: [] for host in hosts}
+    unsure: dict[str, list[str]] = {host: [] for host in hosts}
+    for i, part in enumerate(manifest_chunks(source.files(), budget)):
+        for host, (lacking, maybe) in each(hosts, lambda a: a.compare.call_one(name, part, i == 0), deadline).items():
+            wanted[host] += lacking
+            unsure[host] += maybe
+    source.hash(sorted(set().union(*unsure.values())))
+    again = {host: [hosts[host].compare.call_one(name, part, False) for part in manifest_chunks(
+        source.files(rels), budget)] for host, rels in unsure.items() if rels}
+    for host, futures in again.items():
+        for fut in futures:
+            wanted[host] += fut.get(timeout=left(deadline))[0]
+    return wanted
+
+
 def sync_workspace(procs: ProcMesh, path: str | os.PathLike[str], *, reload: bool = True,
                    timeout: float = 300) -> SyncReport:
     """Copy directory `path` to every host of `procs` (only what changed since the last sync), put the copy
@@ -289,20 +349,28 @@ def sync_workspace(procs: ProcMesh, path: str | os.PathLike[str], *, reload: boo
     if not root.is_dir():
         why = "is not a directory" if root.exists() else "does not exist"
         raise WorkspaceError(f"sync_workspace copies a directory; {os.fspath(path)!r} ({root}) {why}")
-    files, sigs = scan(root)
+    source = Source.scan(root)
     hosts = writers(procs)
     name, budget = copy_name(root), min(procs._mesh.max_frame // 2, MAX_BATCH)  # bytes of paths and data per call
-    wanted: dict[str, list[str]] = {host: [] for host in hosts}
-    for i, part in enumerate(manifest_chunks(files, budget)):
-        for host, lacking in each(hosts, lambda a: a.compare.call_one(name, part, i == 0), deadline).items():
-            wanted[host] += lacking
+    wanted = compare(hosts, name, source, budget, deadline)
     deleted = each(hosts, lambda a: a.prune.call_one(name), deadline)
-    via = deliver(hosts, wanted, name, root, files, sigs, budget, deadline)
+    unhashed = [rel for rel in source.entries if rel not in source.shas]
+    with ThreadPoolExecutor(1, "monarch-workspace-hash") as pool:  # hashes the rest while the files travel
+        hashing = pool.submit(source.hash, unhashed)
+
+        def hashed() -> Manifest:
+            hashing.result(timeout=left(deadline))
+            return source.files()
+        via = deliver(hosts, wanted, name, source.root, source.files(), source.sigs, budget, deadline, hashed)
+        late = hashing.result(timeout=left(deadline))
+    for part in manifest_chunks(late, budget) if late else ():
+        each(hosts, lambda a: a.record.call_one(name, part), deadline)
     remote = each(hosts, lambda a: a.finish.call_one(name), deadline)
     view = _AGENTS[procs._mesh]._with_shape(procs._shape)  # the agents of this view's ranks
     reloaded = view.activate.call(name, reload).get(timeout=left(deadline)).values()
     return SyncReport(
-        hosts=tuple(hosts), files_total=len(files), files_sent=sum(map(len, wanted.values())),
-        bytes_sent=sum(files[rel][0] for w in wanted.values() for rel in w), files_deleted=sum(deleted.values()),
+        hosts=tuple(hosts), files_total=len(source.entries), files_sent=sum(map(len, wanted.values())),
+        bytes_sent=sum(source.entries[rel][0] for w in wanted.values() for rel in w),
+        files_deleted=sum(deleted.values()),
         seconds=time.monotonic() - t0, reloaded=tuple(dict.fromkeys(n for names in reloaded for n in names)),
         remote_path=remote, via=via)

@@ -5,6 +5,7 @@ changed since it was hashed; the controller hashes again only what changed.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -17,9 +18,9 @@ import test_workspace as base
 
 from monarch.actor import ActorError, ProcMesh
 from monarch.cluster import stream
-from monarch.cluster.copies import WorkspaceError
+from monarch.cluster.copies import MANIFEST, WorkspaceError
 from monarch.cluster.stream import HEAD, Door, connect, send, signature
-from monarch.cluster.workspace import _HASHED, RACY_NS, copy_name, scan, sync_workspace, walk
+from monarch.cluster.workspace import _HASHED, RACY_NS, Source, copy_name, manifest, sync_workspace, walk
 
 HOST = socket.gethostname()
 LIMIT, Package, tree = base.LIMIT, base.Package, base.tree
@@ -130,22 +131,40 @@ def test_the_sender_refuses_a_file_that_changed_since_it_was_hashed(tmp_path: Pa
         door.close()
 
 
-def test_scan_hashes_again_only_what_changed(tmp_path: Path) -> None:
-    root = tmp_path / "tree"
+def test_a_scan_trusts_a_hash_while_the_signature_holds(tmp_path: Path) -> None:
+    root = (tmp_path / "tree").resolve()
     root.mkdir()
     for name in ("a", "b"):
         (root / name).write_text(name * 10)
     old = time.time_ns() - 10**9  # a second ago: older than the racy window
     for name in ("a", "b"):
         os.utime(root / name, ns=(old, old))
+    assert Source.scan(root).shas == {}  # nothing hashed yet
     time.sleep(RACY_NS / 1e9 + 0.05)  # the ctime (utime set it to now) leaves the racy window
-    first, _ = scan(root.resolve())
-    assert set(_HASHED[root.resolve()]) == {"a", "b"}
+    first = Source.scan(root).hash(["a", "b"])
+    assert Source.scan(root).shas == {"a": first["a"][1], "b": first["b"][1]}
     (root / "a").write_text("z" * 10)  # same size,
     os.utime(root / "a", ns=(old, old))  # same mtime: only the ctime tells
-    again, _ = scan(root.resolve())
-    assert again["a"] != first["a"] and again["b"] == first["b"]
-    assert "a" not in _HASHED[root.resolve()]  # just changed: hashed again next time too
+    again = Source.scan(root)
+    assert again.shas == {"b": first["b"][1]}
+    assert again.hash(["a"])["a"][1] != first["a"][1]
+    assert Source.scan(root).shas == {"b": first["b"][1]}  # just changed: hashed again next time too
+
+
+def test_a_new_controller_hashes_what_the_hosts_hold_and_sends_nothing(small: ProcMesh, package: Package) -> None:
+    """Without the hashes of an earlier scan (a new controller process), files a host holds with the same size
+    and mode are hashed and compared again: only what differs travels, and the manifest keeps every hash."""
+    fill(package.src)
+    sync_workspace(small, package.src)
+    _HASHED.clear()
+    (package.src / "run.sh").write_text("#!/bin/rc\n")  # same size, another hash
+    report = sync_workspace(small, package.src)
+    assert (report.files_sent, report.via) == (1, {HOST: "stream"})
+    assert (package.copy / "run.sh").read_text() == "#!/bin/rc\n"
+    _HASHED.clear()
+    assert sync_workspace(small, package.src).files_sent == 0
+    held = json.loads((package.copy / MANIFEST).read_text())
+    assert held == {rel: list(entry) for rel, entry in manifest(package.src.resolve()).items()}
 
 
 def test_a_door_nobody_connects_to_closes_empty(tmp_path: Path) -> None:
