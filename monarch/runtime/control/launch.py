@@ -89,9 +89,15 @@ HYDRA_TOPOLOGY = "/tmp/hydra_hwloc_xmlfile_*"  # each hydra proxy's topology fil
 
 
 def topology_files() -> set[str]:
-    """This user's hydra topology files on this host now (`spawn` notes those its job added)."""
+    """The hydra topology files on this host now (`spawn` notes those its job added: `ours`)."""
+    return set(glob.glob(HYDRA_TOPOLOGY))
+
+
+def ours(paths: set[str]) -> set[str]:
+    """Those of `paths` that this user owns (the files a killed job may leave pile up in /tmp: only the few new
+    ones are looked at, once per spawn)."""
     found = set()
-    for path in glob.glob(HYDRA_TOPOLOGY):
+    for path in paths:
         with suppress(OSError):
             if os.lstat(path).st_uid == os.geteuid():
                 found.add(path)
@@ -281,7 +287,7 @@ class Lifecycle:
             raise
         finally:
             handover.remove()  # every worker took its token file by now, or the spawn failed
-            mesh.leftovers = topology_files() - before if launcher.local else set()
+            mesh.leftovers = ours(topology_files() - before) if launcher.local else set()
         if not mesh.settled.is_set() or mesh.failure is not None:
             why = mesh.failure or f"not every worker connected within {timeout} s (MONARCH_SPAWN_TIMEOUT)"
             self.stop(mesh, grace=0.5)
