@@ -7,8 +7,13 @@ Every configuration trains the same model (same seed, global batch and AdamW) in
   of the global batch with cores / W intra-op threads, as monarch's workers get by default.
 - compiled W / eager W: monarch on a dp=W mesh (monarch.data_parallel), the step under monarch.compile or
   run op by op; `ctl/step` is the controller's own CPU time per step call (sending the batch, and
-  recording or launching the step), the rest overlaps with the workers.
-`all_reduces/step` counts the gradient all_reduces of one step: DDP's buckets, a compiled step's.
+  recording or launching the step), the rest overlaps with the workers. "compiled" runs with weight-update
+  sharding as MONARCH_SHARD_UPDATE says (default auto), "replicated update" with it off (every rank
+  updates every parameter, as DDP does).
+`collectives/step` counts the gradient collectives of one step: DDP's buckets, a compiled step's buckets
+(all_reduce; or reduce_scatter + all_gather with sharded updates). `RSS/rank` is rank 0's resident memory
+after the steps (monarch: the largest of its worker's samples); `optim/rank` the bytes of optimizer state
+rank 0 holds.
 Ratios are throughputs against DDP at the same world size. A width sweep (Pathways-style) then finds the
 smallest step time at which compiled monarch reaches 0.95x DDP. Run with --help for the knobs.
 """
@@ -42,7 +47,7 @@ TARGET = 0.95  # the throughput ratio to DDP the sweep looks for
 @dataclass(frozen=True)
 class Run:
     """One configuration to measure."""
-    kind: str  # torch | ddp | compiled | eager
+    kind: str  # torch | ddp | compiled | replicated | eager
     world: int
     width: int
 
@@ -52,7 +57,28 @@ class Result:
     step_s: float          # mean wall time per step
     ctl_s: float | None    # controller time per step (monarch only)
     loss: float            # global loss of the last step
-    all_reduces: int | None = None  # gradient all_reduces per step (DDP's buckets; a compiled step's)
+    all_reduces: int | None = None  # gradient collectives per step (DDP's buckets; a compiled step's)
+    rss_bytes: int | None = None    # rank 0's resident memory
+    optim_bytes: int | None = None  # optimizer state rank 0 holds
+
+
+def rss() -> int:
+    """This process's resident memory in bytes."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def optim_bytes(opt: torch.optim.Optimizer) -> int:
+    """The bytes of `opt`'s state tensors this process (rank 0 of a mesh) holds."""
+    from monarch.tensor.meshtensor import MeshTensor
+    total = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, MeshTensor):
+                local = v._spec.local_shape((0,) * len(v.placements))
+                total += v.element_size() * int(torch.Size(local).numel())
+            elif isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
 
 
 # -- one configuration, measured in this process --------------------------------------------------------------
@@ -88,10 +114,11 @@ def config(args: argparse.Namespace, width: int) -> gpt.GPTConfig:
 def run_torch(args: argparse.Namespace) -> Result:
     cfg = config(args, args.width)
     model = gpt.build(cfg, args.seed)
-    step = gpt.train_step(model, gpt.optimizer(model))
+    opt = gpt.optimizer(model)
+    step = gpt.train_step(model, opt)
     stream = gpt.batches(text(args), args.batch, cfg.context, args.seed)
     r = timed(step, stream, lambda loss: loss.item(), args.warmup, args.steps)
-    return Result(r.step_s, None, r.loss)
+    return Result(r.step_s, None, r.loss, None, rss(), optim_bytes(opt))
 
 
 def run_ddp(args: argparse.Namespace) -> Result:
@@ -103,7 +130,8 @@ def run_ddp(args: argparse.Namespace) -> Result:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = config(args, args.width)
     model = DistributedDataParallel(gpt.build(cfg, args.seed))
-    step = gpt.train_step(model, gpt.optimizer(model))
+    opt = gpt.optimizer(model)
+    step = gpt.train_step(model, opt)
     stream = gpt.batches(text(args), args.batch, cfg.context, args.seed)
     per = args.batch // world
 
@@ -118,7 +146,7 @@ def run_ddp(args: argparse.Namespace) -> Result:
         r = timed(one, stream, sync, args.warmup, args.steps, dist.barrier)
         logged = model._get_ddp_logging_data()
         sizes = logged.get("rebuilt_bucket_sizes") or logged["bucket_sizes"]
-        return Result(r.step_s, None, r.loss, len(str(sizes).split(",")))
+        return Result(r.step_s, None, r.loss, len(str(sizes).split(",")), rss(), optim_bytes(opt))
     finally:
         dist.destroy_process_group()
 
@@ -132,23 +160,27 @@ def run_monarch(args: argparse.Namespace, eager: bool) -> Result:
     stream = gpt.batches(text(args), args.batch, cfg.context, args.seed)
     with this_host().spawn_procs(per_host={"dp": args.world}) as procs:
         model = monarch.data_parallel(gpt.build(cfg, args.seed), procs, dim="dp")
-        step = gpt.compile_step(gpt.train_step(model, gpt.optimizer(model)), eager=eager)
+        opt = gpt.optimizer(model)
+        step = gpt.compile_step(gpt.train_step(model, opt), eager=eager)
 
         def sync(loss: torch.Tensor) -> float:
             return monarch.fetch(loss).get(timeout=args.timeout).item()
         r = timed(step, stream, sync, args.warmup, args.steps)
+        ((peak,),) = procs.sql("SELECT max(rss_bytes) FROM memory WHERE rank = 0")
         if eager:
-            return r
+            return Result(r.step_s, r.ctl_s, r.loss, None, peak, optim_bytes(opt))
         shipped = session_of(procs).collectives
         before = len(shipped)
         loss = step(*next(stream))
-        count = shipped[before:].count("all_reduce[dp]")
+        count = len(shipped) - before
         sync(loss)
-        return Result(r.step_s, r.ctl_s, r.loss, count)
+        return Result(r.step_s, r.ctl_s, r.loss, count, peak, optim_bytes(opt))
 
 
 def run_one(args: argparse.Namespace) -> None:
     kind = args.one
+    if kind == "replicated":
+        os.environ["MONARCH_SHARD_UPDATE"] = "off"
     result = (run_torch(args) if kind == "torch" else run_ddp(args) if kind == "ddp"
               else run_monarch(args, eager=kind == "eager"))
     if kind != "ddp" or int(os.environ.get("RANK", "0")) == 0:
@@ -215,26 +247,32 @@ def result_of(cmd: list[str], env: dict[str, str], timeout: float, label: str) -
 
 
 NAMES = {"torch": "plain torch, 1 process", "ddp": "torchrun + DDP (gloo)", "compiled": "monarch compiled",
-         "eager": "monarch eager"}
+         "replicated": "  replicated update", "eager": "monarch eager"}
 
 
 def main_table(args: argparse.Namespace) -> None:
     runs = [Run("torch", 1, args.width)]
     for world in args.worlds:
-        runs += [Run("ddp", world, args.width), Run("compiled", world, args.width), Run("eager", world, args.width)]
+        runs += [Run(kind, world, args.width) for kind in ("ddp", "compiled", "replicated", "eager")]
     results = {}
-    rows = [("configuration", "world", "step time", "steps/s", "ctl/step", "last loss", "all_reduces/step", "vs DDP")]
+    rows = [("configuration", "world", "step time", "steps/s", "ctl/step", "last loss", "collectives/step",
+             "RSS/rank", "optim/rank", "vs DDP")]
     for run in runs:
         results[run] = r = measure(run, args)
         if isinstance(r, str):
-            rows.append((NAMES[run.kind], str(run.world), r, "", "", "", "", ""))
+            rows.append((NAMES[run.kind], str(run.world), r, *[""] * 7))
             continue
         ddp = results.get(Run("ddp", run.world if run.kind != "torch" else min(args.worlds), run.width))
         vs = f"{ddp.step_s / r.step_s:.2f}x" if isinstance(ddp, Result) and run.kind != "ddp" else "-"
         ctl = f"{r.ctl_s * 1e6:,.0f} µs" if r.ctl_s is not None else "-"
         rows.append((NAMES[run.kind], str(run.world), f"{r.step_s * 1e3:,.1f} ms", f"{1 / r.step_s:.2f}", ctl,
-                     f"{r.loss:.4f}", "-" if r.all_reduces is None else str(r.all_reduces), vs))
+                     f"{r.loss:.4f}", "-" if r.all_reduces is None else str(r.all_reduces), mib(r.rss_bytes),
+                     mib(r.optim_bytes), vs))
     print_rows(rows)
+
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 20):,.1f} MiB"
 
 
 def sweep(args: argparse.Namespace) -> None:

@@ -5,8 +5,9 @@ the optimizer step begins, after the whole backward, and the all_gathers of upda
 moves each one up to just after the last instruction that writes its input (or any tensor sharing its memory),
 as a Start, and leaves a Wait where its result is first read, so an all_reduce overlaps the rest of the
 backward. As in DDP, collectives of the same kind, mesh dim, op and dtype share buckets in the order their
-inputs become ready: the first holds about 1 MiB (communication starts early), the others up to
-`bucket_bytes`; a bucket closes once it reaches its size. A bucket is one collective over one flat buffer.
+inputs become ready, up to `bucket_bytes`; a bucket closes once it reaches its size. The first all_reduce
+bucket holds about 1 MiB, so that communication starts early (the engine runs an all_reduce bucket in the
+background; the other kinds where they start). A bucket is one collective over one flat buffer.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def _buckets(instrs: tuple[Instr, ...], limit: int) -> list[_Bucket]:
         key = (c.kind, c.mdim, c.op, c.dtype)
         b = open_.get(key)
         if b is None or not b.takes(ready, i):
-            b = _Bucket(ready, i, len(instrs), limit if key in open_ else min(FIRST_BUCKET_BYTES, limit))
+            first = key not in open_ and c.kind == "all_reduce"  # (the others run where they start: no overlap)
+            b = _Bucket(ready, i, len(instrs), min(FIRST_BUCKET_BYTES, limit) if first else limit)
             found.append(b)
             open_[key] = b
         moved = sum(prod(s) for s in c.shapes) if c.kind == "all_gather" else prod(c.shapes[0])
