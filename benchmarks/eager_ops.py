@@ -1,14 +1,17 @@
-"""Eager sharded ops: per-op cost of a long chain of small ops, and a large matmul, against local torch.
+"""Eager sharded ops: per-op cost of a long chain of small ops against local torch and DTensor, and a matmul.
 
-Run: `.venv/bin/python benchmarks/eager_ops.py [--ops 1000] [--procs 4] [--reps 5]`. Prints one table
-with the local-torch baseline measured in the same run, and the machine it ran on.
+Run: `.venv/bin/python benchmarks/eager_ops.py [--ops 1000] [--procs 4] [--reps 5]`. Prints one table with
+the baselines measured in the same run (DTensor: this file again under `torch.distributed.run`, gloo, one
+torch thread per rank, as many ranks as monarch has procs), and the machine it ran on.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +21,7 @@ import torch
 import monarch
 from monarch import Shard
 from monarch.actor import this_host
-from monarch.graph.partition import partition
+from monarch.graph.partition import FREE_BATCH, partition
 from monarch.runtime.session.lower import lower
 from monarch.runtime.session.session import session_of
 
@@ -42,6 +45,42 @@ def median_us(fn: Callable[[], object], reps: int, per: int = 1) -> float:
     return statistics.median(times)
 
 
+def dtensor_rank(ops: int, reps: int) -> None:
+    """One rank of the DTensor job: the chain on a DTensor sharded Shard(0), from the first op to
+    `full_tensor()`; rank 0 prints the slowest rank's median µs per op."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as DShard, distribute_tensor
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        base = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+        x = distribute_tensor(base, init_device_mesh("cpu", (dist.get_world_size(),)), [DShard(0)])
+        assert torch.allclose(chain(x, ops).full_tensor(), chain(base, ops), atol=1e-5), "DTensor chain differs"
+
+        def once() -> float:
+            dist.barrier()
+            return median_us(lambda: chain(x, ops).full_tensor(), 1, ops)
+        slowest = torch.tensor([statistics.median(once() for _ in range(reps))])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(slowest.item()), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def dtensor_us(procs: int, ops: int, reps: int) -> float:
+    """DTensor's µs per op on the chain, over `procs` ranks under torch.distributed.run."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
+           __file__, "--dtensor-rank", "--ops", str(ops), "--reps", str(reps)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return float(json.loads(lines[-1][len("RESULT "):]))
+
+
 def controller_cost(x: monarch.MeshTensor, n: int) -> tuple[float, float]:
     """(record + propagate, partition + lower) in µs per op; the recorded graph is then run for real."""
     s = session_of(x.mesh)
@@ -49,7 +88,7 @@ def controller_cost(x: monarch.MeshTensor, n: int) -> tuple[float, float]:
     y = chain(x, n)
     t1 = time.perf_counter()
     traced = s.tracer.take()
-    programs = partition(traced)
+    programs = partition(traced, FREE_BATCH)
     lower(programs, s.view)
     t2 = time.perf_counter()
     s.ship(traced, programs)
@@ -63,10 +102,14 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--matmul", type=int, default=2048)
+    p.add_argument("--dtensor-rank", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.dtensor_rank:
+        return dtensor_rank(a.ops, a.reps)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"Python {platform.python_version()}, torch {torch.__version__}, {sys.platform}")
     rows: list[tuple[str, str, str]] = []
+    dtensor = dtensor_us(a.procs, a.ops, a.reps)  # before monarch's workers start: they do not share the cores
     with this_host().spawn_procs(per_host={"x": a.procs}) as procs:
         base = torch.randn(64, 64)
         x = monarch.distribute_tensor(base, procs, {"x": Shard(0)})
@@ -80,7 +123,9 @@ def main() -> None:
         assert torch.allclose(got, want, atol=1e-5), "sharded chain differs from local torch"
         rows += [
             (f"chain of {a.ops} ops, 64x64, local torch", f"{local:.1f} us/op", "baseline"),
+            (f"same chain, DTensor S(0) over {a.procs} ranks", f"{dtensor:.1f} us/op", "baseline"),
             (f"same chain, S(0) over {a.procs} procs, end to end", f"{e2e:.1f} us/op", f"{e2e / local:.1f}x local"),
+            ("  monarch / DTensor", "", f"{e2e / dtensor:.2f}x (aim <= 0.5)"),
             ("  controller: record + propagate", f"{record:.1f} us/op", ""),
             ("  controller: partition + lower", f"{compile_:.1f} us/op", ""),
             ("  controller total", f"{record + compile_:.1f} us/op", "aim <= 30"),

@@ -2,7 +2,8 @@
 
 Every node's emitter writes its instructions for each mesh coordinate (most ops emit one shared
 instruction for all ranks). A buffer that no MeshTensor holds any more is freed right after the last
-node that reads it.
+node that reads it; with a `free_batch` budget, small dead buffers wait to be freed together (one
+instruction for many ops of a chain) until their bytes reach the budget.
 """
 from __future__ import annotations
 
@@ -16,12 +17,18 @@ from monarch.graph.trace import TracedGraph, redistribute
 from monarch.program.instr import Free, Instr, Local
 from monarch.program.program import RankProgram
 
+FREE_BATCH = 1 << 20  # an eager flush's budget: small dead buffers are freed together, up to this many bytes
 
-def partition(traced: TracedGraph) -> tuple[RankProgram, ...]:
+
+def partition(traced: TracedGraph, free_batch: int = 0) -> tuple[RankProgram, ...]:
+    """One program per mesh point; dead buffers are freed once `free_batch` bytes of them (global sizes)
+    have died since the last free, and at the end (0: each right after its last reader)."""
     coords = list(traced.mesh.coords())
     programs: list[list[Instr]] = [[] for _ in coords]
     dead = dead_after(traced)
     base = 0  # temporaries get negative ids, unique in the program and the same on every rank
+    held: list[int] = []  # dead buffers not freed yet, and their bytes
+    held_bytes = 0
     for node in traced.graph.nodes:
         emit = node.meta.get("emit")
         if emit is Emit.default:
@@ -35,15 +42,24 @@ def partition(traced: TracedGraph) -> tuple[RankProgram, ...]:
                 prog.extend(instrs)
                 used = max(used, n)
             base += used
-        frees = dead.get(node)
-        if frees:
-            free = Free(frees)
-            for prog in programs:
-                prog.append(free)
+        dying = dead.get(node)
+        if dying:
+            held += dying[0]
+            held_bytes += dying[1]
+            if held_bytes >= free_batch:
+                _append_all(programs, Free(tuple(held)))
+                held, held_bytes = [], 0
+    if held:
+        _append_all(programs, Free(tuple(held)))
     produced, read = _produced(traced), _read(traced)
     unused = tuple(i for i in traced.released if i not in produced and i not in read)
     head = [Free(unused)] if unused else []
     return tuple(RankProgram(c, tuple(head + p)) for c, p in zip(coords, programs, strict=True))
+
+
+def _append_all(programs: list[list[Instr]], ins: Instr) -> None:
+    for prog in programs:
+        prog.append(ins)
 
 
 def _emit(node: fx.Node, coords: tuple[int, ...], base: int) -> tuple[list[Instr], int]:
@@ -81,23 +97,26 @@ def outline(traced: TracedGraph) -> str:
             f"widest level {widest} ops")
 
 
-def dead_after(traced: TracedGraph) -> dict[fx.Node, tuple[int, ...]]:
-    """For each node, the buffers that die once it has run (no later reader, no MeshTensor holding them).
+def dead_after(traced: TracedGraph) -> dict[fx.Node, tuple[list[int], int]]:
+    """For each node, the buffers that die once it has run (no later reader, no MeshTensor holding them),
+    and their bytes (global sizes).
 
     fx keeps nodes in a topological order and each node's readers in `users`, so the last reader of a
     buffer is its user with the highest position.
     """
     order = {n: i for i, n in enumerate(traced.graph.nodes)}
     released = set(traced.released)
-    dead: dict[fx.Node, list[int]] = {}
+    dead: dict[fx.Node, tuple[list[int], int]] = {}
     for node in traced.graph.nodes:
         ids = node.meta.get("ids", ())
-        mortal = [i for i in ids if i not in traced.live and (node.op != "placeholder" or i in released)]
+        mortal = [k for k, i in enumerate(ids) if i not in traced.live and (node.op != "placeholder" or i in released)]
         if not mortal or (node.op == "placeholder" and not node.users):
             continue
         last = max(node.users, key=order.__getitem__) if node.users else node
-        dead.setdefault(last, []).extend(mortal)
-    return {n: tuple(ids) for n, ids in dead.items()}
+        specs = node.meta["specs"]
+        had, nbytes = dead.get(last, ([], 0))
+        dead[last] = (had + [ids[k] for k in mortal], nbytes + sum(specs[k].nbytes for k in mortal))
+    return dead
 
 
 def _produced(traced: TracedGraph) -> set[int]:

@@ -69,17 +69,26 @@ def torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def dispatch(backend: Stages, func: Op, args: tuple, kwargs: dict) -> Any:
     """Steps 2 to 5 for one aten op on MeshTensors of `backend`'s mesh."""
-    done, out = data_dependent.rewrite(func, args, kwargs)
-    if done:
-        return out
-    if _generator(func, args, kwargs) is not None:
-        return backend.with_generator(func, args, kwargs)
+    plain = _plain(func)
+    if not plain:
+        done, out = data_dependent.rewrite(func, args, kwargs)
+        if done:
+            return out
+        if _generator(func, args, kwargs) is not None:
+            return backend.with_generator(func, args, kwargs)
     parts = backend.decomposition(func)
     if parts is not None:
         return parts(*args, **kwargs)
-    if not _returns_tensors(func):
+    if not plain and not _returns_tensors(func):
         return backend.on_values(func, args, kwargs)
     return backend.record(func, args, kwargs)
+
+
+@functools.cache
+def _plain(func: Op) -> bool:
+    """Whether steps 2, 3 and 5's sync point can never apply to `func` (most ops): no data-dependent rewrite,
+    no generator argument, tensors returned."""
+    return not data_dependent.rewrites(func) and _generator_slot(func) is None and _returns_tensors(func)
 
 
 def _generator(func: Op, args: tuple, kwargs: dict) -> torch.Generator | None:

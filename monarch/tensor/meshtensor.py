@@ -192,6 +192,8 @@ class _Redistribute(torch.autograd.Function):
 def _backend_of(func: Any, args: tuple, kwargs: dict | None) -> Backend:
     """The one backend of the MeshTensor arguments; tensors of two meshes fail here, before anything is
     recorded or shipped (a redistribution cannot cross meshes)."""
+    if not kwargs and len(args) == 1 and type(args[0]) is MeshTensor:  # the common unary op: nothing to compare
+        return args[0]._backend
     found: Backend | None = None
     for a in _tensor_args(args, kwargs):
         if found is None:

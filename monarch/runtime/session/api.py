@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
 from monarch.errors import ShardingError, TraceError
-from monarch.graph.partition import outline, partition
+from monarch.graph.partition import FREE_BATCH, outline, partition
 from monarch.graph.rules.common import random_piece
 from monarch.graph.rules.table import Emit
 from monarch.program.instr import Local
@@ -238,7 +238,7 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     for s in sessions:
         assert isinstance(s, Session)
         traced = s.tracer.take()
-        programs = partition(traced)
+        programs = partition(traced, FREE_BATCH)
         texts.append(f"graph on ({s.abstract.label()}) ({outline(traced)}):\n{traced}\n\n" +
                      "\n".join(str(p) for p in programs))
         s.ship(traced, programs)

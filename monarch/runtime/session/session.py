@@ -20,7 +20,7 @@ import torch
 from monarch import config
 from monarch.errors import TraceError, TransportError
 from monarch.graph.decompose import Decomposition, decomposition
-from monarch.graph.partition import partition
+from monarch.graph.partition import FREE_BATCH, partition
 from monarch.graph.rules.table import Emit, writes_first_arg
 from monarch.graph.trace import TracedGraph, Tracer
 from monarch.program.instr import Buf, Comm, Local, Start
@@ -204,7 +204,7 @@ class Session:
         """Ship the pending graph; with `sync`, a Future of the fetched tensor (None without `fetch`)."""
         self._sync_point("reading a tensor (item, full_tensor, print, fetch, synchronize)")
         traced = self.tracer.take()
-        return self.ship(traced, partition(traced), fetch, sync)
+        return self.ship(traced, partition(traced, FREE_BATCH), fetch, sync)
 
     def ship(self, traced: TracedGraph, programs: tuple[RankProgram, ...], fetch: Fetch | None = None,
              sync: bool = False) -> Future[Any] | None:
