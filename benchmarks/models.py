@@ -6,6 +6,9 @@ over --steps SGD steps after --warmup warm-up steps of:
   global batch with cores / W intra-op threads;
 - compiled: monarch on a dp=W mesh (monarch.data_parallel), the step under monarch.compile, MONARCH_STRICT
   unset; `fallbacks` counts the op decisions that found no sharding rule and gathered (zero is the aim).
+  Weight updates are sharded as MONARCH_SHARD_UPDATE says (default auto).
+`RSS/rank` is rank 0's resident memory after the steps (monarch: the largest of its worker's samples),
+`optim/rank` the bytes of optimizer state rank 0 holds.
 The ratio is DDP's step time over monarch's (above 1: monarch is faster). Run with --help for the knobs.
 """
 from __future__ import annotations
@@ -27,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 import zoo  # noqa: E402
 from actors import machine  # noqa: E402
-from train_vs_ddp import print_rows, result_of, timed  # noqa: E402
+from train_vs_ddp import mib, optim_bytes, print_rows, result_of, rss, timed  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class Measured:
     ctl_s: float | None = None     # the controller's CPU time per step call (monarch only)
     fallbacks: dict[str, int] = field(default_factory=dict)  # op name -> decisions that gathered (monarch only)
     collectives: dict[str, int] = field(default_factory=dict)  # kind[dim] -> how many one step runs (monarch only)
+    rss_bytes: int = 0             # rank 0's resident memory
+    optim_bytes: int = 0           # optimizer state rank 0 holds
 
 
 def size(args: argparse.Namespace) -> zoo.Size:
@@ -59,7 +64,8 @@ def run_ddp(args: argparse.Namespace) -> Measured:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     entry, model, data = model_and_data(args)
     ddp = DistributedDataParallel(model)
-    step = zoo.train_step(ddp, zoo.optimizer(ddp), entry.loss)
+    opt = zoo.optimizer(ddp)
+    step = zoo.train_step(ddp, opt, entry.loss)
     per = args.batch // world
     mine = iter([tuple(t[rank * per:(rank + 1) * per] for t in batch) for batch in data])
 
@@ -69,7 +75,7 @@ def run_ddp(args: argparse.Namespace) -> Measured:
         return total.item() / world
     try:
         r = timed(step, mine, sync, args.warmup, args.steps, dist.barrier)
-        return Measured(r.step_s, r.loss)
+        return Measured(r.step_s, r.loss, rss_bytes=rss(), optim_bytes=optim_bytes(opt))
     finally:
         dist.destroy_process_group()
 
@@ -86,13 +92,15 @@ def run_compiled(args: argparse.Namespace) -> Measured:
         return monarch.fetch(loss).get(timeout=args.timeout).item()
     with this_host().spawn_procs(per_host={"dp": args.world}) as procs:
         model = monarch.data_parallel(model, procs)
-        step = monarch.compile(zoo.train_step(model, zoo.optimizer(model), entry.loss))
+        opt = zoo.optimizer(model)
+        step = monarch.compile(zoo.train_step(model, opt, entry.loss))
         r = timed(step, iter(data), sync, args.warmup, args.steps)
         shipped = session_of(procs).collectives
         before = len(shipped)
         sync(step(*data[-1]))
         comms = Counter(shipped[before:])
-    return Measured(r.step_s, r.loss, r.ctl_s, fallback_counts(), dict(comms))
+        ((peak,),) = procs.sql("SELECT max(rss_bytes) FROM memory WHERE rank = 0")
+    return Measured(r.step_s, r.loss, r.ctl_s, fallback_counts(), dict(comms), peak, optim_bytes(opt))
 
 
 def run_one(args: argparse.Namespace) -> None:
@@ -138,9 +146,10 @@ def row(name: str, args: argparse.Namespace) -> tuple[str, ...]:
     for r in (ddp, mon):
         cells.append(r if isinstance(r, str) else f"{r.step_s * 1e3:,.2f} ms")
     if isinstance(ddp, str) or isinstance(mon, str):
-        return (*cells, "", "", "", "", "", "")
+        return (*cells, *[""] * 8)
     return (*cells, f"{ddp.step_s / mon.step_s:.2f}x", f"{(mon.ctl_s or 0) * 1e6:,.0f} µs",
-            f"{ddp.loss:.4f} / {mon.loss:.4f}", listed(mon.collectives), str(sum(mon.fallbacks.values())),
+            f"{ddp.loss:.4f} / {mon.loss:.4f}", listed(mon.collectives), f"{mib(ddp.rss_bytes)} / {mib(mon.rss_bytes)}",
+            f"{mib(ddp.optim_bytes)} / {mib(mon.optim_bytes)}", str(sum(mon.fallbacks.values())),
             listed(mon.fallbacks))
 
 
@@ -182,7 +191,8 @@ def main() -> None:
     t0 = time.perf_counter()
     print_machine(args)
     rows: list[Any] = [("model", "params", "DDP step", "compiled step", "vs DDP", "ctl/step",
-                        "last loss DDP / monarch", "collectives per step", "fallbacks", "ops gathered")]
+                        "last loss DDP / monarch", "collectives per step", "RSS/rank DDP / monarch",
+                        "optim/rank DDP / monarch", "fallbacks", "ops gathered")]
     rows += [row(name, args) for name in args.models]
     print_rows(rows)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

@@ -29,7 +29,8 @@ from monarch.tensor.placement import Partial, Placements, Replicate, Shard
 
 @dataclass
 class _Lent:
-    """A parameter whose slice the optimizer steps in its place: `group["params"][at]` is `piece` meanwhile."""
+    """A parameter whose slice `opt` steps in its place: `group["params"][at]` is `piece` meanwhile."""
+    opt: torch.optim.Optimizer
     group: dict
     at: int
     param: MeshTensor
@@ -82,7 +83,7 @@ def _lend(opt: torch.optim.Optimizer, group: dict, at: int, p: MeshTensor, g: Me
     group["params"][at] = piece
     if p in opt.state:
         opt.state[piece] = opt.state.pop(p)
-    return _Lent(group, at, p, piece)
+    return _Lent(opt, group, at, p, piece)
 
 
 def _after(lent: dict[int, list[_Lent]], opt: torch.optim.Optimizer, *_: object) -> None:
@@ -90,14 +91,14 @@ def _after(lent: dict[int, list[_Lent]], opt: torch.optim.Optimizer, *_: object)
     with torch.no_grad():
         for x in pieces:
             x.param.copy_(x.piece.redistribute(x.param.placements))
-    _give_back(pieces, opt)
+    _give_back(pieces)
 
 
-def _give_back(pieces: list[_Lent], opt: torch.optim.Optimizer | None = None) -> None:
+def _give_back(pieces: list[_Lent]) -> None:
     for x in pieces:
         x.group["params"][x.at] = x.param
-        if opt is not None and x.piece in opt.state:
-            opt.state[x.param] = opt.state.pop(x.piece)
+        if x.piece in x.opt.state:
+            x.opt.state[x.param] = x.opt.state.pop(x.piece)
 
 
 def sharded(p: MeshTensor, g: MeshTensor, mode: str) -> Placements | None:

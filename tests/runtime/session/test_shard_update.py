@@ -137,3 +137,23 @@ def test_a_checkpoint_of_sharded_state_loads_into_an_unsharded_optimizer(
     mcp.load(sd, checkpoint_id=tmp_path / "ckpt", timeout=T)
     mcp.set_state_dict(other, other_opt, sd)
     assert_same_training((model, opt, []), (other, other_opt, []))
+
+
+def test_an_optimizer_step_that_raises_gives_the_parameters_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While it steps, an optimizer holds the parameters' slices; a step that raises (here its closure) leaves
+    it holding the parameters again, and its state keyed by them."""
+    model, opt, _ = train(LocalMesh({"dp": 2}), "sgd", "on", monkeypatch)
+
+    def failing() -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = zoo.ZOO["gpt"].loss(model(x), y)
+        loss.backward()
+        opt.step(failing)
+        return loss
+    with pytest.raises(RuntimeError, match="boom"):
+        monarch.compile(step)(*zoo.ZOO["gpt"].data(SIZE, 1, 2)[0])
+    params = list(model.parameters())
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in params]
+    assert {id(p) for p in opt.state} == {id(p) for p in params}
