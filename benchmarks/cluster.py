@@ -9,7 +9,9 @@ TCP stream of the same bytes from the first host to the second (the link's ceili
 RDMABuffer read (over the owner's TCP door, and over MPI RMA windows joined on demand, MPICH's OFI netmod) and
 to_mesh (TCP doors: the test hosts share a kernel, so the ranks are told MONARCH_RDMA_BACKEND=tcp, which hosts
 without RDMA devices would pick); the
-same all_reduce between two ranks of one host; shutil.copytree and rsync for the sync (workspace_sync.py).
+same all_reduce between two ranks of one host; shutil.copytree, rsync (one local copy) and rsync over the test
+hosts' ssh to both hosts at once (the same work) for the sync (workspace_sync.py). `--only sync` runs the
+sync rows alone.
 """
 from __future__ import annotations
 
@@ -184,6 +186,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--only", choices=["all", "sync"], default="all", help="sync: the workspace rows alone")
     a = p.parse_args()
     why = can_run()
     if why:
@@ -201,6 +204,16 @@ def main() -> None:
 
 def run(bed: Testbed, a: argparse.Namespace) -> None:
     hosts = HostMesh(["mh1", "mh2"])
+    if a.only == "all":
+        run_all(bed, hosts, a)
+    with tempfile.TemporaryDirectory(prefix="monarch-bench-") as tmp:
+        env = {"MONARCH_WORKSPACE_DIR": str(Path(tmp) / "workspaces")}
+        with hosts.spawn_procs(per_host={"gpus": 1}, name="bench-sync", env=env) as procs:
+            print(f"\nsync_workspace of about 50 MB to both hosts (sent once per host), medians of {a.reps} rounds:")
+            print_table(measure(procs, Path(tmp), ssh=bed.ssh_command, hosts=["mh1", "mh2"], reps=a.reps))
+
+
+def run_all(bed: Testbed, hosts: HostMesh, a: argparse.Namespace) -> None:
     local = statistics.median(spawn_to_first_answer(this_host(), f"local{i}") for i in range(3))
     ssh = statistics.median(spawn_to_first_answer(hosts, f"ssh{i}") for i in range(3))
     print()
@@ -242,11 +255,6 @@ def run(bed: Testbed, a: argparse.Namespace) -> None:
         f"{stream * 1e3:.0f} ms", f"{reduce / stream:.2f}x ({gbs:.2f} GB/s of data)")
     row("", "", "the same all_reduce, 2 ranks of one host", f"{local_reduce * 1e3:.0f} ms",
         f"{reduce / local_reduce:.2f}x")
-    with tempfile.TemporaryDirectory(prefix="monarch-bench-") as tmp:
-        env = {"MONARCH_WORKSPACE_DIR": str(Path(tmp) / "workspaces")}
-        with hosts.spawn_procs(per_host={"gpus": 1}, name="bench-sync", env=env) as procs:
-            print("\nsync_workspace of about 50 MB to both hosts (sent once per host):")
-            print_table(measure(procs, Path(tmp)))
 
 
 if __name__ == "__main__":

@@ -1,22 +1,27 @@
 """Workspace sync: how fast `sync_workspace` ships a tree of about 50 MB, against copies made on this machine.
 
-Run: `.venv/bin/python benchmarks/workspace_sync.py [--files 500] [--file-kb 100] [--large 4] [--large-mb 1]`.
-The tree (random bytes, fresh each run, in 10 directories) is synced to a local 2-process mesh: a first
-sync (everything travels; it includes spawning the mesh's agents) and a second with nothing changed (the
-controller hashes the tree, the host's writer compares manifests, nothing is sent). Baselines from the
-same run: `shutil.copytree` of the tree to a fresh directory (no protocol, no processes: the memcpy-like
-ceiling), `rsync -a` to a fresh directory and again unchanged (when rsync is on PATH), and the sha256 of
-every file (what an unchanged sync costs the controller). The tree was just written, so every read comes
-from the page cache. `measure(procs, root)` does all of it for any mesh, one that spans hosts too.
+Run: `.venv/bin/python benchmarks/workspace_sync.py [--files 500] [--file-kb 100] [--large 4] [--large-mb 1]
+[--reps 3]`. Each round writes a fresh tree (random bytes, in 10 directories) and syncs it to a local 2-process
+mesh: a first sync (everything travels; the first round's also spawns the mesh's agents) and a second with
+nothing changed (the controller stats the tree and trusts the hashes of its last scan, the host's writer
+compares manifests, nothing is sent). Baselines from the same rounds: `shutil.copytree` of the tree to a fresh
+directory (no protocol, no processes: the memcpy-like ceiling), `rsync -a` to a fresh directory and again
+unchanged (when rsync is on PATH), and the sha256 of every file. The tree was just written, so every read
+comes from the page cache. `measure(procs, root)` does all of it for any mesh, one that spans hosts too;
+given an ssh command and hosts (cluster.py), it also times `rsync -a -e SSH` of the tree to every host at
+once, fresh and unchanged: the same work as the sync, done the way one would without monarch. Medians of
+the rounds.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +30,7 @@ from actors import cpu_model, os_name
 
 from monarch import config
 from monarch.actor import ProcMesh, this_host
-from monarch.cluster.workspace import MAX_BATCH, manifest, sync_workspace
+from monarch.cluster.workspace import MAX_BATCH, SyncReport, manifest, sync_workspace
 
 TIMEOUT = 600.0  # seconds one sync may take before the benchmark fails
 
@@ -70,44 +75,78 @@ def rsync(src: Path, dst: Path) -> None:
     subprocess.run(["rsync", "-a", f"{src}/", f"{dst}/"], check=True, timeout=TIMEOUT)
 
 
-def measure(procs: ProcMesh, root: Path, tree: Tree = Tree()) -> list[Row]:
-    """Build `tree` in `root/tree`, time the baselines into `root`, then a first and an unchanged sync."""
-    src = root / "tree"
-    build(src, tree)
+def rsync_over_ssh(src: Path, dst: Path, ssh: str, hosts: list[str]) -> None:
+    """`rsync -a -e SSH src/ HOST:dst-HOST/` to every host at once (dst on the hosts, one per host)."""
+    runs = [subprocess.Popen(["rsync", "-a", "-e", ssh, f"{src}/", f"{host}:{dst}-{host}/"]) for host in hosts]
+    for run in runs:
+        if run.wait(timeout=TIMEOUT):
+            raise RuntimeError(f"rsync over `{ssh}` failed with status {run.returncode}")
+
+
+def measure(procs: ProcMesh, root: Path, tree: Tree = Tree(), ssh: str = "", hosts: list[str] | None = None,
+            reps: int = 1) -> list[Row]:
+    """Medians of `reps` rounds, each with a fresh tree in `root`: the baselines (over `ssh` to `hosts` too,
+    when given: hosts that share this file system, as the test hosts do), then a first and an unchanged sync
+    (the first round's first sync also spawns the mesh's agents)."""
     n, size = tree.files + tree.large, tree.total_bytes
-    copy = timed(lambda: shutil.copytree(src, root / "copytree"))
+    times: dict[str, list[float]] = defaultdict(list)
+    for i in range(reps):
+        first, second = one_round(procs, root, root / f"tree{i}", tree, ssh, hosts or [], times)
+        assert (first.files_sent, first.bytes_sent) == (n * len(first.hosts), size * len(first.hosts)), first
+        assert second.files_sent == 0, second
+    t = {what: statistics.median(seconds) for what, seconds in times.items()}
+    rows = [Row("shutil.copytree, fresh directory", n, size, t["copytree"]),
+            Row("sha256 of every file", n, 0, t["sha256"])]
+    fresh = tuple((what, t[what]) for what in ("rsync", "rsync ssh") if what in t)
+    unchanged = tuple((what, t[f"{what} unchanged"]) for what in ("rsync", "rsync ssh") if what in t)
+    if "rsync" in t:
+        rows += [Row("rsync -a, fresh directory", n, size, t["rsync"], (("copytree", t["copytree"]),)),
+                 Row("rsync -a, unchanged", n, 0, t["rsync unchanged"])]
+    if "rsync ssh" in t:
+        k = len(hosts or [])
+        rows += [Row(f"rsync -a -e ssh to {k} hosts, fresh", n * k, size * k, t["rsync ssh"]),
+                 Row(f"rsync -a -e ssh to {k} hosts, unchanged", n * k, 0, t["rsync ssh unchanged"])]
+    where = f"{len(first.hosts)} host{'s' if len(first.hosts) > 1 else ''}"
+    how = "+".join(sorted(set(first.via.values())))
+    return rows + [
+        Row(f"sync_workspace, first ({where}, {how})", first.files_sent, first.bytes_sent, t["first"],
+            (("copytree", t["copytree"]), *fresh)),
+        Row(f"sync_workspace, unchanged ({where})", second.files_total, 0, t["unchanged"],
+            (("sha256", t["sha256"]), *unchanged))]
+
+
+def one_round(procs: ProcMesh, root: Path, src: Path, tree: Tree, ssh: str, hosts: list[str],
+              times: dict[str, list[float]]) -> tuple[SyncReport, SyncReport]:
+    """One round of `measure` on the fresh tree `src` (its copies on the hosts are new too: they are named
+    after it); appends each timing to `times`."""
+    build(src, tree)
+    times["copytree"].append(timed(lambda: shutil.copytree(src, root / "copytree")))
     shutil.rmtree(root / "copytree")
-    hashing = timed(lambda: manifest(src))
-    rows = [Row("shutil.copytree, fresh directory", n, size, copy), Row("sha256 of every file", n, 0, hashing)]
-    fresh: tuple[tuple[str, float], ...] = ()
-    unchanged: tuple[tuple[str, float], ...] = ()
+    times["sha256"].append(timed(lambda: manifest(src)))
     if shutil.which("rsync"):
-        fresh = (("rsync", timed(lambda: rsync(src, root / "rsync"))),)
-        unchanged = (("rsync", timed(lambda: rsync(src, root / "rsync"))),)
+        for what in ("rsync", "rsync unchanged"):
+            times[what].append(timed(lambda: rsync(src, root / "rsync")))
         shutil.rmtree(root / "rsync")
-        rows += [Row("rsync -a, fresh directory", n, size, fresh[0][1], (("copytree", copy),)),
-                 Row("rsync -a, unchanged", n, 0, unchanged[0][1])]
+        for what in ("rsync ssh", "rsync ssh unchanged") if ssh and hosts else ():
+            times[what].append(timed(lambda: rsync_over_ssh(src, root / "rsync", ssh, hosts)))
+        for host in hosts:
+            shutil.rmtree(f"{root / 'rsync'}-{host}", ignore_errors=True)
     first = sync_workspace(procs, src, timeout=TIMEOUT)
     second = sync_workspace(procs, src, timeout=TIMEOUT)
-    assert (first.files_sent, first.bytes_sent) == (n * len(first.hosts), size * len(first.hosts)), first
-    assert second.files_sent == 0, second
-    hosts = f"{len(first.hosts)} host{'s' if len(first.hosts) > 1 else ''}"
-    return rows + [
-        Row(f"sync_workspace, first ({hosts})", first.files_sent, first.bytes_sent, first.seconds,
-            (("copytree", copy), *fresh)),
-        Row(f"sync_workspace, unchanged ({hosts})", second.files_total, 0, second.seconds,
-            (("sha256", hashing), *unchanged))]
+    times["first"].append(first.seconds)
+    times["unchanged"].append(second.seconds)
+    return first, second
 
 
 def print_table(rows: list[Row]) -> None:
-    head = f"{'what':34} {'files':>6} {'MB':>6} {'seconds':>8} {'files/s':>9} {'MB/s':>6}  ratio to baseline"
+    head = f"{'what':40} {'files':>6} {'MB':>6} {'seconds':>8} {'files/s':>9} {'MB/s':>6}  ratio to baseline"
     print(head)
     print("-" * (len(head) + 12))
     for r in rows:
         mb = r.nbytes / 1e6
         rate = f"{mb / r.seconds:6.0f}" if r.nbytes else f"{'-':>6}"
         ratio = ", ".join(f"{r.seconds / s:.2f}x {name}" for name, s in r.versus) or "-"
-        print(f"{r.what:34} {r.files:>6} {mb:>6.1f} {r.seconds:>8.3f} {r.files / r.seconds:>9,.0f} {rate}  {ratio}")
+        print(f"{r.what:40} {r.files:>6} {mb:>6.1f} {r.seconds:>8.3f} {r.files / r.seconds:>9,.0f} {rate}  {ratio}")
 
 
 def main() -> None:
@@ -116,6 +155,7 @@ def main() -> None:
     p.add_argument("--file-kb", type=int, default=100, help="kB per small file (default 100)")
     p.add_argument("--large", type=int, default=4, help="large files (default 4)")
     p.add_argument("--large-mb", type=float, default=1, help="MB per large file (default 1)")
+    p.add_argument("--reps", type=int, default=3, help="rounds, each with a fresh tree; medians (default 3)")
     a = p.parse_args()
     tree = Tree(a.files, a.file_kb * 1000, a.large, int(a.large_mb * 1e6))
     print(f"monarch workspace_sync, {time.strftime('%Y-%m-%d')}: {a.files} files of {a.file_kb} kB and {a.large} "
@@ -126,7 +166,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="monarch-bench-") as tmp:
         env = {"MONARCH_WORKSPACE_DIR": str(Path(tmp) / "workspaces")}
         with this_host().spawn_procs(per_host={"gpus": 2}, name="bench-workspace", env=env) as procs:
-            rows = measure(procs, Path(tmp))
+            rows = measure(procs, Path(tmp), reps=a.reps)
     print_table(rows)
 
 
