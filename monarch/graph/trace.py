@@ -175,8 +175,8 @@ class Tracer:
         ids = (next(self.ids),) if len(specs) == 1 else tuple(next(self.ids) for _ in specs)
         n = self.graph.create_node("call_function", target, (), {}, name=f"n{ids[0] if ids else next(self.ids)}")
         n._update_args_kwargs(args, {})
-        n.meta = {"ids": ids, "specs": specs, "emit": emit, "local_args": local_args,
-                  "local_kwargs": local_kwargs or {}, "call": call, "in_specs": in_specs}
+        n.meta.update(ids=ids, specs=specs, emit=emit, local_args=local_args, local_kwargs=local_kwargs or {},
+                      call=call, in_specs=in_specs)
         self.n_ops += 1
         self.epoch += 1
         return n, ids
