@@ -15,7 +15,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -30,7 +30,9 @@ BUCKETED = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
 def overlap(programs: tuple[RankProgram, ...], bucket_bytes: int) -> tuple[RankProgram, ...]:
     """The same programs with their all_reduces, reduce_scatters and all_gathers in bucketed Starts and Waits."""
     first = programs[0].instrs
-    buckets = _buckets(first, bucket_bytes)
+    # a reduce_scatter or all_gather alone stays a plain collective: packing it would only add copies
+    buckets = [b for b in _buckets(first, bucket_bytes)
+               if len(b.members) > 1 or cast(Comm, first[b.members[0]]).kind == "all_reduce"]
     if not buckets:
         return programs
     return tuple(RankProgram(p.coords, _rewrite(p.instrs, buckets, p.coords)) for p in programs)
@@ -56,11 +58,14 @@ class _Bucket:
 
 def _buckets(instrs: tuple[Instr, ...], limit: int) -> list[_Bucket]:
     flow = _Flow(instrs)
-    reduces = sorted((flow.ready(i), i) for i, ins in enumerate(instrs)
+    reduces = sorted((*flow.ready(i), i) for i, ins in enumerate(instrs)
                      if isinstance(ins, Comm) and ins.kind in BUCKETED)
     found: list[_Bucket] = []
     open_: dict[tuple[str, int, str, torch.dtype], _Bucket] = {}
-    for ready, i in reduces:
+    bucket_of: dict[int, _Bucket] = {}
+    for ready, producer, i in reduces:
+        if producer >= 0:  # its input is another collective's result: ready where that one's bucket is waited for
+            ready = bucket_of[producer].wait_at
         c = instrs[i]
         assert isinstance(c, Comm)
         key = (c.kind, c.mdim, c.op, c.dtype)
@@ -72,6 +77,7 @@ def _buckets(instrs: tuple[Instr, ...], limit: int) -> list[_Bucket]:
             open_[key] = b
         moved = sum(prod(s) for s in c.shapes) if c.kind == "all_gather" else prod(c.shapes[0])
         b.add(i, ready, flow.need(i), moved * c.dtype.itemsize)
+        bucket_of[i] = b
     return found
 
 
@@ -97,17 +103,18 @@ class _Flow:
             i = p
         return i
 
-    def ready(self, i: int) -> int:
-        """Index of the last instruction before collective i that writes its input (-1: none); for an input
-        that another bucketed collective wrote, the first reader of that one's result (where its Wait goes)."""
+    def ready(self, i: int) -> tuple[int, int]:
+        """Index of the last instruction before collective i that writes its input (-1: none), and -1; for an
+        input that another bucketed collective j wrote, the first reader of j's result (where j's Wait goes at
+        the latest), and j."""
         c = self.instrs[i]
         assert isinstance(c, Comm)
         group = self.root(c.src)
         for j in range(i - 1, -1, -1):
             w = self.instrs[j]
             if group in self.mutated[j] or c.src in _defines(w):
-                return self.need(j) if isinstance(w, Comm) and w.kind in BUCKETED else j
-        return -1
+                return (self.need(j), j) if isinstance(w, Comm) and w.kind in BUCKETED else (j, -1)
+        return -1, -1
 
     def need(self, i: int) -> int:
         """Index of the first instruction after collective i that reads its result (the end: none)."""
