@@ -37,11 +37,11 @@ CONNECT_S = 5.0  # seconds the controller tries to reach a door before it sends 
 ENTRY_BYTES = 160  # pickled size of one piece's fields besides its path and data
 WINDOW = 4  # write calls in flight per host
 
-Signature = tuple[int, int, int]  # size, mtime_ns, ctime_ns: a file that keeps it kept its content
+Signature = tuple[int, int, int, int]  # size, mtime_ns, ctime_ns, inode: every write or rename changes it
 
 
 def signature(st: os.stat_result) -> Signature:
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 class Door:

@@ -143,7 +143,7 @@ class Source:
                 self.shas[rel] = sha
         kept = _HASHED.setdefault(self.root, {})
         for rel in rels:
-            _, mtime, ctime = self.sigs[rel]
+            _, mtime, ctime, _ = self.sigs[rel]
             if max(mtime, ctime) < self.racy:
                 kept[rel] = (self.sigs[rel], self.shas[rel])
         return self.files(rels)
