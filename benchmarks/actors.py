@@ -16,8 +16,11 @@ Numbers (all round trips timed on the controller with time.perf_counter):
 - broadcast: messages delivered per second (calls x actors) for N `broadcast` calls then one waiting call
   (FIFO per sender makes it a barrier); 1 actor against the sequential call_one rate (1 / call_one p50),
   4 actors against the 1-actor rate.
-- spawn: `spawn_procs(per_host={"gpus": 4})` + `spawn` until the first `call` answers, median of fresh
-  meshes (each stopped afterwards, stop not timed), against starting 4 bare Python interpreters at once.
+- spawn: `spawn_procs(per_host={"procs": N})` + `spawn` until the first `call` answers, N = 2 and 4, median of
+  fresh meshes (startup.py, each stopped afterwards, stop not timed), against Meta's Monarch (torchmonarch) timed
+  by the same code in a subprocess of its interpreter (--monarch-python); 4 bare Python interpreters at once.
+- first tensor op: from `spawn_procs` of 2 procs until `torch.ones(4).sum().item()` on them returned, the
+  workers importing torch on their first program (MONARCH_PRELOAD_TORCH=off) or from their start (on).
 - stop: `procs.stop().get()` of a 4-proc mesh whose workers imported torch (a tensor op ran), median of
   fresh meshes, against the 0.3 s target and against the spawn of such a mesh.
 - kill -9: SIGKILL one worker of a 2-proc mesh while a call is pending; time until the caller's
@@ -33,8 +36,6 @@ import platform
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import monarch.actor
 from monarch import config
 from monarch.actor import Actor, ActorMesh, Future, ProcMesh, SupervisionError, endpoint, this_host
+from startup import bare_interpreters, first_tensor_op, meta_python, meta_spawn_times, meta_version, spawn_times
 
 TIMEOUT = 60.0  # seconds any single wait may take before the benchmark fails
 
@@ -73,7 +75,7 @@ class Plan:
     spawns: int
 
 
-FULL = Plan(floor_iters=20_000, call_one_iters=5_000, call_iters=2_000, warmup=500, broadcasts=20_000, spawns=3)
+FULL = Plan(floor_iters=20_000, call_one_iters=5_000, call_iters=2_000, warmup=500, broadcasts=20_000, spawns=5)
 QUICK = Plan(floor_iters=1_000, call_one_iters=300, call_iters=200, warmup=50, broadcasts=2_000, spawns=1)
 
 
@@ -232,16 +234,6 @@ def broadcast_rate(echo: ActorMesh, payload: bytes, n: int) -> float:
     return n * len(echo) / (time.perf_counter() - t0)
 
 
-def spawn_to_first_call(payload: bytes) -> float:
-    t0 = time.perf_counter()
-    procs = this_host().spawn_procs(per_host={"gpus": 4}, name="bench-spawn")
-    try:
-        procs.spawn("echo", Echo).ping.call(payload).get(timeout=TIMEOUT)
-        return time.perf_counter() - t0
-    finally:
-        procs.stop()
-
-
 def stop_with_torch() -> float:
     """Seconds `stop()` of a 4-proc mesh takes once its workers imported torch (a tensor op ran)."""
     import torch
@@ -288,14 +280,6 @@ def _detection(sig: int, wait: float) -> float:
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
         procs.stop()
-
-
-def bare_interpreters(n: int) -> float:
-    t0 = time.perf_counter()
-    children = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(n)]
-    for child in children:
-        child.wait(timeout=TIMEOUT)
-    return time.perf_counter() - t0
 
 
 # --- report ---------------------------------------------------------------------------------------------
@@ -394,11 +378,29 @@ def sized_rows(payload: bytes, plan: Plan, pipe: Latency) -> list[Row]:
     return rows
 
 
-def spawn_row(payload: bytes, plan: Plan) -> Row:
-    spawn = statistics.median(spawn_to_first_call(payload) for _ in range(plan.spawns))
-    bare = statistics.median(bare_interpreters(4) for _ in range(plan.spawns))
-    return Row(f"spawn 4 procs to first call (median of {plan.spawns})", f"{spawn * 1e3:,.0f} ms",
-               f"4 bare pythons at once {bare * 1e3:,.0f} ms", ratio(spawn, bare))
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.0f} ms"
+
+
+def spawn_rows(plan: Plan, meta: str | None) -> list[Row]:
+    """Spawn to first call of 2 and 4 procs against Meta's Monarch (interpreter `meta`, None: not installed), one
+    side after the other for each size; then the first tensor op after a spawn, and bare interpreters."""
+    k, rows, ours = plan.spawns, [], {}
+    for n in (2, 4):
+        ours[n] = statistics.median(spawn_times(n, k))
+        base, rel = "Meta's Monarch: not installed", "-"
+        if meta is not None:
+            theirs = statistics.median(meta_spawn_times(meta, n, k))
+            base, rel = f"Meta's Monarch {ms(theirs)}", ratio(ours[n], theirs)
+        rows.append(Row(f"spawn {n} procs to first call (median of {k})", ms(ours[n]), base, rel))
+    off = statistics.median(first_tensor_op(2, "off") for _ in range(k))
+    on = statistics.median(first_tensor_op(2, "on") for _ in range(k))
+    bare = statistics.median(bare_interpreters(4) for _ in range(k))
+    return [*rows, Row(f"first tensor op after spawn, 2 procs, preload off (median of {k})", ms(off),
+                       f"spawn 2 procs to first call {ms(ours[2])}", ratio(off, ours[2])),
+            Row(f"first tensor op after spawn, 2 procs, preload on (median of {k})", ms(on),
+                f"preload off {ms(off)}", ratio(on, off)),
+            Row(f"4 bare pythons at once (median of {k})", ms(bare), "-", "-")]
 
 
 def stop_row(plan: Plan) -> Row:
@@ -418,10 +420,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few iterations, a smoke test")
     parser.add_argument("--payload", type=int, default=100, help="bytes per message (default 100)")
+    parser.add_argument("--monarch-python", metavar="PATH", help="the Python of an installation of Meta's "
+                        "Monarch (torchmonarch), timed next to ours (default: /opt/monarch-venv/bin/python if present)")
     args = parser.parse_args()
+    meta = meta_python(args.monarch_python)
     plan = QUICK if args.quick else FULL
     payload = b"x" * args.payload
     print_machine(args.payload, args.quick)
+    print(f"Meta's Monarch: {meta} (torchmonarch {meta_version(meta)})" if meta else "Meta's Monarch: not installed "
+          "(no /opt/monarch-venv/bin/python, and no --monarch-python PATH): the spawn rows have no baseline")
     block = socket_floor(args.payload, 0.0, plan)  # floors first: fork before monarch starts any thread
     spin = socket_floor(args.payload, config.spin_seconds(), plan)
     pipe = pipe_floor(args.payload, plan)
@@ -434,7 +441,7 @@ def main() -> None:
     finally:
         procs.stop()
     rows += sized_rows(payload, plan, pipe)
-    rows += [spawn_row(payload, plan), stop_row(plan), kill_row(plan)]
+    rows += [*spawn_rows(plan, meta), stop_row(plan), kill_row(plan)]
     print_table(rows)
 
 
