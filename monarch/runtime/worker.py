@@ -1,9 +1,9 @@
 """The worker process (`python -m monarch.runtime.worker`, started by mpiexec, srun or the attach agent): wires
 the frame loop (control), the actor host (actors), the relayed pdb (debug) and the worker's telemetry, and
 holds the worker's one handler table (`handlers`). The tensor engine is created on the first tensor program,
-so that a worker's start-up loads neither torch nor the compiler; torch itself is imported on a background
-thread once the worker connected (MONARCH_PRELOAD_TORCH), so that neither its first actor nor its first tensor
-program waits for the whole import.
+so that a worker's start-up loads neither torch nor the compiler; where the host has cores to spare, torch
+itself is imported on a background thread once the worker connected (MONARCH_PRELOAD_TORCH), so that the
+first tensor program does not wait for the whole import and actors do not wait for it at all.
 """
 from __future__ import annotations
 
