@@ -339,6 +339,23 @@ def compare(hosts: dict[str, ActorMesh], name: str, source: Source, budget: int,
     return wanted
 
 
+def send_and_hash(hosts: dict[str, ActorMesh], wanted: dict[str, list[str]], name: str, source: Source,
+                  budget: int, deadline: float) -> dict[str, str]:
+    """Deliver the wanted files (stream.deliver) while the hashes not computed yet are, then hand the hosts
+    those hashes; hostname -> how its files went."""
+    with ThreadPoolExecutor(1, "monarch-workspace-hash") as pool:
+        hashing = pool.submit(source.hash, [rel for rel in source.entries if rel not in source.shas])
+
+        def hashed() -> Manifest:
+            hashing.result(timeout=left(deadline))
+            return source.files()
+        via = deliver(hosts, wanted, name, source.root, source.files(), source.sigs, budget, deadline, hashed)
+        late = hashing.result(timeout=left(deadline))
+    for part in manifest_chunks(late, budget) if late else ():
+        each(hosts, lambda a: a.record.call_one(name, part), deadline)
+    return via
+
+
 def sync_workspace(procs: ProcMesh, path: str | os.PathLike[str], *, reload: bool = True,
                    timeout: float = 300) -> SyncReport:
     """Copy directory `path` to every host of `procs` (only what changed since the last sync), put the copy
@@ -354,17 +371,7 @@ def sync_workspace(procs: ProcMesh, path: str | os.PathLike[str], *, reload: boo
     name, budget = copy_name(root), min(procs._mesh.max_frame // 2, MAX_BATCH)  # bytes of paths and data per call
     wanted = compare(hosts, name, source, budget, deadline)
     deleted = each(hosts, lambda a: a.prune.call_one(name), deadline)
-    unhashed = [rel for rel in source.entries if rel not in source.shas]
-    with ThreadPoolExecutor(1, "monarch-workspace-hash") as pool:  # hashes the rest while the files travel
-        hashing = pool.submit(source.hash, unhashed)
-
-        def hashed() -> Manifest:
-            hashing.result(timeout=left(deadline))
-            return source.files()
-        via = deliver(hosts, wanted, name, source.root, source.files(), source.sigs, budget, deadline, hashed)
-        late = hashing.result(timeout=left(deadline))
-    for part in manifest_chunks(late, budget) if late else ():
-        each(hosts, lambda a: a.record.call_one(name, part), deadline)
+    via = send_and_hash(hosts, wanted, name, source, budget, deadline)
     remote = each(hosts, lambda a: a.finish.call_one(name), deadline)
     view = _AGENTS[procs._mesh]._with_shape(procs._shape)  # the agents of this view's ranks
     reloaded = view.activate.call(name, reload).get(timeout=left(deadline)).values()
