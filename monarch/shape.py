@@ -3,14 +3,16 @@
 An `Extent` (dim names and sizes) is the abstract mesh that tracing, propagation and partitioning see. A
 `Shape` is a strided view (offset, sizes, strides) over a linear rank space with a label per dim, as
 Monarch's ndslice. Slicing, flattening, renaming and splitting are pure arithmetic on it; `MeshView`
-gives ProcMesh, ActorMesh and ValueMesh the same named-dim methods; `MeshLike` is what the tensor API
-needs of a mesh. No I/O, no dependencies.
+gives ProcMesh, ActorMesh and ValueMesh the same named-dim methods; `DeviceMeshNames` gives ProcMesh and
+LocalMesh DeviceMesh's (with `SubMesh`, `mesh["tp"]`, and the default mesh of `with mesh:`); `MeshLike` is
+what the tensor API needs of a mesh. No I/O, no dependencies.
 """
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -54,6 +56,16 @@ class Extent(Mapping[str, int]):
             return self.labels.index(label)
         except ValueError:
             raise MeshError(f"mesh has no dim {label!r}; its dims are {self.labels}") from None
+
+    def size(self, dim: int | str | None = None) -> int:
+        """Points in the mesh (dim None), or the size of one dim, by name or position (DeviceMesh.size's int)."""
+        if dim is None:
+            return self.nelements
+        if isinstance(dim, str):
+            return self.sizes[self.dim(dim)]
+        if not -len(self.sizes) <= dim < len(self.sizes):
+            raise MeshError(f"mesh dim {dim} is out of range for a mesh with dims {self.labels}")
+        return self.sizes[dim]
 
     def coords(self) -> Iterator[tuple[int, ...]]:
         """Every point's coordinates, in row-major order."""
@@ -257,8 +269,8 @@ class MeshView:
     def sizes(self) -> list[int]:
         return list(self._shape.sizes)
 
-    def size(self, dim: str | None = None) -> int:
-        return len(self._shape) if dim is None else self._shape.sizes[self._shape.dim(dim)]
+    def size(self, dim: int | str | None = None) -> int:
+        return self._shape.extent.size(dim)
 
     def __len__(self) -> int:
         return len(self._shape)
@@ -276,6 +288,140 @@ class MeshView:
         return self._with_shape(self._shape.split(**spec))
 
 
+P = TypeVar("P")  # a placement: shape.py knows no tensor types
+D = TypeVar("D", bound="DeviceMeshNames")
+
+
+class DeviceMeshNames:
+    """DeviceMesh's names (torch.distributed.device_mesh) in their single-controller meaning, on ProcMesh and
+    LocalMesh: names and sizes answer as DeviceMesh's do, `mesh["tp"]` is a SubMesh, and `with mesh:` makes
+    the mesh monarch.dtensor's default mesh inside the block. What a rank asks of itself has no answer on the
+    controller, which is none of the mesh's ranks: those calls raise a MeshError naming what replaces them."""
+    extent: Extent
+    device: str
+    __iter__ = None  # mesh[...] takes dim names: a mesh is not a sequence of ranks
+
+    @property
+    def ndim(self) -> int:
+        return len(self.extent)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return self.extent.labels
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The size of each dim, in order (DeviceMesh.shape)."""
+        return self.extent.sizes
+
+    @property
+    def device_type(self) -> str:
+        return self.device
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        return self.extent.size(mesh_dim)
+
+    def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMeshNames:
+        """`mesh["tp"]`, `mesh["dp", "tp"]`: the same processes, addressed by these dims only (a SubMesh)."""
+        names = (dims,) if isinstance(dims, str) else dims
+        if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+            raise MeshError(f"mesh[{dims!r}]: index a mesh by dim names, as mesh['tp'] or mesh['dp', 'tp']; "
+                            f"its dims are {self.mesh_dim_names}")
+        if missing := [n for n in names if n not in self.mesh_dim_names]:
+            raise MeshError(f"mesh{list(names)}: no dim {missing[0]!r}; the mesh's dims are {self.mesh_dim_names}")
+        if names == self.mesh_dim_names:
+            return self
+        return SubMesh(self.root if isinstance(self, SubMesh) else self, names)
+
+    def get_coordinate(self) -> tuple[int, ...]:
+        raise self._per_rank("get_coordinate()")
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        raise self._per_rank("get_local_rank()")
+
+    def get_rank(self) -> int:
+        raise self._per_rank("get_rank()")
+
+    def get_group(self, mesh_dim: int | str | None = None) -> object:
+        raise MeshError(f"{type(self).__name__}.get_group(): a single controller has no process groups: "
+                        "collectives happen by redistributing, t.redistribute(placements) (all_gather, all_reduce, "
+                        "reduce_scatter, all_to_all as the placements need) or t.full_tensor(); for per-rank "
+                        "code use monarch.local_map")
+
+    def _per_rank(self, what: str) -> MeshError:
+        return MeshError(f"{type(self).__name__}.{what} has no meaning on a single controller: this process drives "
+                         f"the mesh's {self.size()} ranks and is none of them. For per-rank code use "
+                         "monarch.local_map(fn, in_placements, out_placements), which runs fn on each rank's "
+                         "pieces; inside an actor endpoint, monarch.actor.current_rank() is the actor's point; "
+                         "collectives happen by t.redistribute(placements)")
+
+    def __enter__(self: D) -> D:
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack = _stack()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is self:
+                del stack[i]
+                return
+
+
+@dataclass(frozen=True)
+class SubMesh(DeviceMeshNames):
+    """`mesh["tp"]`: the processes of `root`, addressed by `dims` only. A tensor placed on it lives on the whole
+    mesh: positional placements name `dims` in order, and every other dim of `root` is Replicate."""
+    root: MeshLike
+    dims: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.dims or len(set(self.dims)) != len(self.dims):
+            raise MeshError(f"a submesh names each dim of {self.root.extent.labels} at most once, got {self.dims}")
+
+    @property
+    def extent(self) -> Extent:  # type: ignore[override]
+        return Extent(self.dims, tuple(self.root.extent[d] for d in self.dims))
+
+    @property
+    def device(self) -> str:  # type: ignore[override]
+        return self.root.device
+
+    def placements(self, given: Mapping[str, P] | Sequence[P] | None) -> dict[str, P]:
+        """Placements for this view's dims (one per dim in order, or by name) by dim name of `root`; the dims
+        outside the view are not named (they replicate)."""
+        if given is None:
+            return {}
+        if isinstance(given, Mapping):
+            if outside := [k for k in given if k not in self.dims]:
+                raise MeshError(f"placements name {outside}, which {self!r} does not address; its dims are {self.dims}")
+            return dict(given)
+        given = list(given)
+        if len(given) != len(self.dims):
+            raise MeshError(f"{len(given)} placements for {self!r}, which has dims {self.dims}: give one per dim")
+        return dict(zip(self.dims, given, strict=True))
+
+    def __repr__(self) -> str:
+        return f"{self.root!r}[{', '.join(repr(d) for d in self.dims)}]"
+
+
+class _Defaults(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[DeviceMeshNames] = []
+
+
+_DEFAULTS = _Defaults()
+
+
+def _stack() -> list[DeviceMeshNames]:
+    return _DEFAULTS.stack
+
+
+def default_mesh() -> DeviceMeshNames | None:
+    """The mesh of the innermost `with mesh:` block on this thread (DeviceMesh's current mesh), or None."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
 class MeshLike(Protocol):
     """A mesh MeshTensors live on (a ProcMesh view, a LocalMesh): named dims over ranks, as MeshView has, and
     the device type of its workers' tensors (cpu or cuda)."""
@@ -289,4 +435,4 @@ class MeshLike(Protocol):
     @property
     def mesh_shape(self) -> Shape: ...
 
-    def size(self, dim: str | None = None) -> int: ...
+    def size(self, dim: int | str | None = None) -> int: ...

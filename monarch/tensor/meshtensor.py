@@ -172,6 +172,12 @@ class MeshTensor(torch.Tensor):
                             "state_dict() of MeshTensors, or pass it to a compiled function instead of an actor "
                             "endpoint")
 
+    @property
+    def device_mesh(self) -> MeshLike:
+        """DTensor's name of `mesh`: the whole mesh, with one placement per dim (also for a tensor placed on
+        a submesh `mesh["tp"]`, which is Replicate over the other dims)."""
+        return self._backend.mesh
+
 
 _TENSOR_DATA = torch._C.TensorBase.data  # torch's own `.data` (shape, dtype and stride of the wrapper)
 

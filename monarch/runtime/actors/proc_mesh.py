@@ -16,7 +16,7 @@ from dataclasses import replace
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
-from monarch.errors import MeshError
+from monarch.errors import MeshError, SupervisionError
 from monarch.runtime.actors.actor_mesh import HOLDS, ActorMesh, resolved
 from monarch.runtime.actors.context import context
 from monarch.runtime.actors.endpoint import Actor, endpoints_of
@@ -26,7 +26,7 @@ from monarch.runtime.control.client import client, tensor_api
 from monarch.runtime.control.commands import MeshRequest, ProcsInfo, SpawnActor, SpawnActors, StopProcs
 from monarch.runtime.control.futures import CallState, Future, one_result
 from monarch.runtime.telemetry.store import STORE, Limits, Rows
-from monarch.shape import MeshView, Shape
+from monarch.shape import DeviceMeshNames, MeshView, Shape
 
 if TYPE_CHECKING:
     from monarch.runtime.control.conn import Job
@@ -66,7 +66,7 @@ def debug(n: int = 20, rank: int | None = None, timeout: float = 30.0) -> Rows:
     return rows
 
 
-class ProcMesh(MeshView):
+class ProcMesh(DeviceMeshNames, MeshView):
     """Worker processes with named dims; spawn actors on them, stop them when done.
 
     A ProcMesh is a reference: it pickles (mesh id, name, shape, hosts, pids), so an actor given one can
@@ -193,11 +193,26 @@ class ProcMesh(MeshView):
                             "inside an actor, or its mesh is stopped); call it from the client")
         return self
 
-    def __enter__(self) -> ProcMesh:
+    def keep_after_with(self) -> ProcMesh:
+        """Leave the mesh running at the end of its `with` blocks, as DTensor's DeviceMesh (init_device_mesh's
+        meshes are made so); it stops at `procs.stop()`, once unreferenced, or at interpreter exit."""
+        _KEPT.add(self.mesh_id)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """`with procs:` makes procs the default mesh of monarch.dtensor inside the block (DeviceMeshNames)
+        and stops it at the end, unless it was made by init_device_mesh (`keep_after_with`)."""
+        super().__exit__(*exc)
+        if self.mesh_id in _KEPT:
+            return
+        running = self._mesh is not None and self._mesh.live
         self.stop()
+        if running:
+            _controller().lifecycle.ended[self.mesh_id] = SupervisionError(
+                f"mesh {self.name!r} was stopped at the end of its `with` block: a mesh from spawn_procs stops "
+                "there (Monarch's lifecycle); to use its tensors after the block, make the mesh with "
+                "monarch.dtensor.init_device_mesh (its `with` block only sets the default mesh) or keep it "
+                "running: spawn it outside a `with` block and call procs.stop() when done")
 
     def __repr__(self) -> str:
         mesh = self._mesh
@@ -254,3 +269,4 @@ def ask(op: MeshRequest, result: Callable[[CallState], Any] = one_result) -> Fut
 
 
 _SINGLETON = Shape.row_major((), ())
+_KEPT: set[int] = set()  # ids of the proc meshes that outlive their `with` blocks (keep_after_with)

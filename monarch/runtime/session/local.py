@@ -21,7 +21,7 @@ from monarch.runtime.control.futures import CallState
 from monarch.runtime.engine import buckets
 from monarch.runtime.engine.engine import Engine
 from monarch.runtime.session.session import Fetch, Session
-from monarch.shape import MeshView, Shape, group_coords
+from monarch.shape import DeviceMeshNames, MeshView, Shape, group_coords
 
 
 def _bucket(engines: list[Engine], programs: tuple[RankProgram, ...], i: int, sizes: tuple[int, ...],
@@ -40,8 +40,8 @@ def _bucket(engines: list[Engine], programs: tuple[RankProgram, ...], i: int, si
             engines[index[c]].bucket_output(s, out)
 
 
-class LocalMesh(MeshView):
-    """Named mesh dims simulated in this process."""
+class LocalMesh(DeviceMeshNames, MeshView):
+    """Named mesh dims simulated in this process; `with LocalMesh(...):` makes it monarch.dtensor's default mesh."""
     device = "cpu"
 
     def __init__(self, dims: dict[str, int]) -> None:
