@@ -1,20 +1,19 @@
-"""Module-level parallelism on a mesh: `parallelize_module` with its styles, `data_parallel`, `full_state_dict`
-(and a load_state_dict pre-hook that gathers MeshTensors of another mesh before they are copied in).
+"""Module-level parallelism on a mesh: `parallelize_module`, `distribute_module`, `data_parallel`,
+`full_state_dict` (and a load_state_dict pre-hook that gathers MeshTensors of another mesh before they are
+copied in).
 
 Parameters and buffers become MeshTensors in place (an nn.Parameter keeps wrapping each one), so
-autograd, optimizers and `state_dict()` work unchanged. A style (as in PyTorch's tensor parallel API,
-with the mesh dim named) places a module's parameters over its dim and redistributes the module's inputs
-and outputs there with forward hooks; other mesh dims are left as they are, so styles compose with data
-parallelism; every tensor no style covers is replicated.
+autograd, optimizers and `state_dict()` work unchanged. Styles (monarch.parallel.styles) place a module's
+parameters over one mesh dim and keep the other dims as they are, so they compose with data parallelism;
+every tensor no style covers is replicated.
 """
 from __future__ import annotations
 
-import abc
 import fnmatch
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import inspect
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, Union, cast
 
 import torch
 from torch import nn
@@ -25,133 +24,72 @@ from monarch.runtime.control.futures import Future
 from monarch.runtime.session.api import distribute_tensor, fetch
 from monarch.runtime.session.session import session_of
 from monarch.runtime.session.torch_state import on_mesh_of
-from monarch.shape import MeshLike
+from monarch.parallel.layouts import MeshDim, check_dim, on_dim
+from monarch.parallel.styles import ParallelStyle
+from monarch.shape import MeshLike, SubMesh, default_mesh
 from monarch.tensor.meshtensor import MeshTensor
-from monarch.tensor.placement import Placement, Replicate, Shard, normalize
+from monarch.tensor.placement import Placement, Replicate, Shard
 
 Memo = dict[int, tuple[torch.Tensor, torch.Tensor]]  # id(old tensor) -> (old, its MeshTensor replacement)
-
-
-def on_dim(t: Any, dim: str, placement: Placement | None) -> Any:
-    """`t` redistributed to `placement` over mesh dim `dim`, the other mesh dims unchanged (differentiable).
-
-    Anything that is not a MeshTensor, and any tensor when `placement` is None, comes back as it is."""
-    if placement is None or not isinstance(t, MeshTensor) or (isinstance(placement, Shard) and t.ndim == 0):
-        return t
-    names = t.spec.mesh.labels
-    target = list(t.placements)
-    target[names.index(dim)] = placement
-    target_t = normalize(target, names, t.ndim, f"redistribute over {dim!r}")
-    if target_t == t.placements:
-        return t
-    return t.redistribute(target_t)
-
-
-def check_dim(dim: str, names: Sequence[str], what: str) -> None:
-    """MeshError unless `dim` names a dim of the mesh."""
-    if dim not in names:
-        raise MeshError(f"{what}: the mesh has no dim {dim!r} (its dims are {list(names)}); pass dim= one of them")
-
-
-@dataclass(frozen=True)
-class ParallelStyle(abc.ABC):
-    """Base of the styles: `dim` names the mesh dim; `input_layout`/`output_layout` (None: leave as is)
-    are the placements a module's tensor inputs and outputs are redistributed to over that dim."""
-    dim: str = "tp"
-    input_layout: Placement | None = None
-    output_layout: Placement | None = None
-    supports: ClassVar[tuple[type[nn.Module], ...]] = (nn.Module,)
-
-    @abc.abstractmethod
-    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
-        """Placement over `dim` of each of the module's own parameters this style decides."""
-
-    def input_placement(self, module: nn.Module) -> Placement | None:
-        return self.input_layout
-
-    def check(self, name: str, module: nn.Module, names: Sequence[str]) -> None:
-        """Errors naming the module when the dim is unknown or the module type is not supported."""
-        check_dim(self.dim, names, f"{self!r} on module {name!r}")
-        if not isinstance(module, self.supports):
-            kinds = " and ".join(f"nn.{c.__name__}" for c in self.supports)
-            raise ShardingError(
-                f"{type(self).__name__}(dim={self.dim!r}) cannot shard module {name!r} "
-                f"({type(module).__name__}): it supports {kinds}. Use SequenceParallel for norm or dropout "
-                "layers, or leave the module out of the plan to replicate its parameters")
-
-    def install(self, module: nn.Module) -> None:
-        """Forward hooks redistributing the module's tensor inputs and outputs over `dim`."""
-        inp = self.input_placement(module)
-        if inp is not None:
-            module.register_forward_pre_hook(
-                lambda mod, args: tree_map_only(MeshTensor, lambda t: on_dim(t, self.dim, inp), args))
-        if self.output_layout is not None:
-            module.register_forward_hook(
-                lambda mod, args, out: tree_map_only(MeshTensor, lambda t: on_dim(t, self.dim, self.output_layout),
-                                                     out))
-
-
-@dataclass(frozen=True)
-class ColwiseParallel(ParallelStyle):
-    """nn.Linear: weight (out, in) and bias sharded on the output features; nn.Embedding: weight sharded on
-    the embedding dim. Inputs of a Linear are made Replicate; the output stays sharded on its last dim."""
-    input_layout: Placement | None = Replicate()
-    supports: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear, nn.Embedding)
-
-    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
-        if isinstance(module, nn.Embedding):
-            return {"weight": Shard(1)}
-        return {"weight": Shard(0), **({"bias": Shard(0)} if module.bias is not None else {})}
-
-    def input_placement(self, module: nn.Module) -> Placement | None:
-        return None if isinstance(module, nn.Embedding) else self.input_layout
-
-
-@dataclass(frozen=True)
-class RowwiseParallel(ParallelStyle):
-    """nn.Linear: weight sharded on the input features, bias replicated, inputs made Shard(-1);
-    nn.Embedding: weight sharded on the vocabulary. The output (a Partial sum over `dim`) is
-    redistributed to `output_layout`: Replicate() by default (one all_reduce), Shard(1) for sequence
-    parallelism (a reduce_scatter), or None to keep it Partial."""
-    input_layout: Placement | None = Shard(-1)
-    output_layout: Placement | None = Replicate()
-    supports: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear, nn.Embedding)
-
-    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
-        if isinstance(module, nn.Embedding):
-            return {"weight": Shard(0)}
-        return {"weight": Shard(1), **({"bias": Replicate()} if module.bias is not None else {})}
-
-    def input_placement(self, module: nn.Module) -> Placement | None:
-        return None if isinstance(module, nn.Embedding) else self.input_layout
-
-
-@dataclass(frozen=True)
-class SequenceParallel(ParallelStyle):
-    """Any module (layer norm, dropout): its own parameters replicated over `dim`, its inputs sharded on
-    the sequence dim (`input_layout`, Shard(1) by default), so its outputs stay sharded there."""
-    input_layout: Placement | None = Shard(1)
-
-    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
-        return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
+Plan = Union[ParallelStyle, Mapping[str, ParallelStyle]]
+TpMesh = Union[MeshLike, SubMesh, tuple[MeshLike, str]]  # a mesh, a view mesh["tp"], or (mesh, dim name)
+PartitionFn = Callable[[str, nn.Module, Any], None]
+HookFn = Callable[[nn.Module, Any, Any], Any]
 
 
 # -- the API ------------------------------------------------------------------------------------
-def parallelize_module(module: nn.Module, mesh: MeshLike, plan: Mapping[str, ParallelStyle]) -> nn.Module:
-    """Shard `module` over `mesh` in place following `plan` and return it.
+def parallelize_module(module: nn.Module, device_mesh: TpMesh | None = None, parallelize_plan: Plan | None = None
+                       ) -> nn.Module:
+    """Shard `module` over `device_mesh` in place following `parallelize_plan` and return it.
 
-    `plan` maps fnmatch patterns over `module.named_modules()` names to styles (ColwiseParallel,
-    RowwiseParallel, SequenceParallel). Each style places the parameters of the modules it matches over
-    its mesh dim and keeps the other dims as they are; every other parameter and buffer becomes a
-    replicated MeshTensor (or stays the MeshTensor it already is). Build optimizers afterwards."""
-    names = session_of(mesh).abstract.labels
+    The plan is a style (applied to `module` itself) or a dict from fnmatch patterns over
+    `module.named_modules()` names to styles. `device_mesh` is a mesh with one dim, a view `mesh["tp"]` of
+    a larger mesh, `(mesh, dim name)`, or None (the mesh of the innermost `with mesh:` block): a style
+    without `dim=` works on that dim; on a mesh of several dims it works on its `dim=`, by default "tp".
+    Each style places the parameters of the modules it matches over its dim and keeps the other dims as
+    they are; every other parameter and buffer becomes a replicated MeshTensor (or stays the MeshTensor it
+    already is). Build optimizers afterwards."""
+    mesh, default, names = _mesh_and_dim(device_mesh, f"parallelize_module({type(module).__name__})")
+    plan = {"": parallelize_plan} if isinstance(parallelize_plan, ParallelStyle) else parallelize_plan or {}
+    if not isinstance(plan, Mapping):
+        raise ShardingError(f"parallelize_module: parallelize_plan is {type(plan).__name__}; give a style or a dict "
+                            "from module-name patterns to styles")
     memo: Memo = {}
     for name, sub, style in _matches(module, plan):
-        style.check(name, sub, names)
+        dim = _dim_of(style, default, names, name)
+        style.check(name, sub, dim, names)
         for pname, placement in style.param_placements(sub).items():
-            _place(sub, pname, _qualname(name, pname), mesh, {style.dim: placement}, memo)
-        style.install(sub)
+            _place(sub, pname, _qualname(name, pname), mesh, {dim: placement}, memo)
+        style.install(sub, MeshDim(mesh, dim))
     _adopt(module, mesh, {}, memo)
+    return module
+
+
+def distribute_module(module: nn.Module, device_mesh: MeshLike | SubMesh | None = None,
+                      partition_fn: PartitionFn | None = None, input_fn: HookFn | None = None,
+                      output_fn: HookFn | None = None) -> nn.Module:
+    """DTensor's distribute_module: `partition_fn(name, submodule, device_mesh)` runs for every submodule
+    (it may replace parameters by MeshTensors placed as it likes); then every parameter and buffer still a
+    plain tensor becomes replicated. `input_fn(module, inputs, device_mesh)` is installed as a forward
+    pre-hook and `output_fn(module, outputs, device_mesh)` as a forward hook. Once per module."""
+    what = f"distribute_module({type(module).__name__})"
+    device_mesh = _given(device_mesh, what)
+    if getattr(module, "_distribute_module_applied", False):
+        raise ShardingError(f"{what}: distribute_module should only be called once on a module, but it has "
+                            "already been called on this module; put all its placements in one partition_fn")
+    for fn, kind in ((input_fn, "input_fn(module, inputs, device_mesh)"),
+                     (output_fn, "output_fn(module, outputs, device_mesh)")):
+        if fn is not None and len(inspect.signature(fn).parameters) != 3:
+            raise ShardingError(f"{what}: {kind} takes 3 arguments, {fn!r} takes "
+                                f"{len(inspect.signature(fn).parameters)}")
+    for name, sub in list(module.named_modules()) if partition_fn is not None else ():
+        partition_fn(name, sub, device_mesh)
+    _adopt(module, _root(device_mesh), {}, {})
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+    module._distribute_module_applied = True
     return module
 
 
@@ -173,6 +111,45 @@ def full_state_dict(obj: nn.Module | torch.optim.Optimizer, timeout: float | Non
     return tree_map_only(Future, lambda f: f.get(timeout), futures)
 
 
+# -- the mesh and the dim ------------------------------------------------------------------------
+def _mesh_and_dim(device_mesh: TpMesh | None, what: str) -> tuple[MeshLike, str | None, tuple[str, ...]]:
+    """The mesh to place tensors on, the dim a style without `dim=` works on (None: "tp", as before
+    DTensor's forms), and the dims a style may name."""
+    if isinstance(device_mesh, tuple):
+        mesh, dim = device_mesh
+        names = tuple(mesh.extent.labels)
+        check_dim(dim, names, what)
+        return mesh, dim, names
+    given = _given(device_mesh, what)
+    names = tuple(given.extent.labels)
+    if isinstance(given, SubMesh) and len(names) != 1:
+        raise MeshError(f"{what}: tensor parallelism works over one mesh dim, and {given!r} has dims "
+                        f"{list(names)}; pass one, e.g. mesh[{names[-1]!r}]")
+    return _root(given), names[0] if len(names) == 1 else None, names
+
+
+def _given(device_mesh: MeshLike | SubMesh | None, what: str) -> MeshLike | SubMesh:
+    """`device_mesh`, or (None) the mesh of the innermost `with mesh:` block, as DTensor's current mesh."""
+    mesh = default_mesh() if device_mesh is None else device_mesh
+    if mesh is None:
+        raise MeshError(f"{what}: no device_mesh given and no `with mesh:` block is open; pass the mesh")
+    return cast("MeshLike | SubMesh", mesh)
+
+
+def _root(device_mesh: MeshLike | SubMesh) -> MeshLike:
+    """The mesh tensors are placed on: the mesh itself, or the one a view `mesh["tp"]` addresses."""
+    return device_mesh.root if isinstance(device_mesh, SubMesh) else device_mesh
+
+
+def _dim_of(style: ParallelStyle, default: str | None, names: tuple[str, ...], module_name: str) -> str:
+    if style.dim is not None:
+        return style.dim
+    if default is None and "tp" not in names:
+        raise MeshError(f"{style!r} on module {module_name!r}: the mesh has dims {list(names)} and no 'tp'; name the "
+                        "style's dim (dim=...), or pass a mesh of one dim such as mesh['x'] or (mesh, 'x')")
+    return default or "tp"
+
+
 # -- placing tensors ----------------------------------------------------------------------------
 def _matches(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple[str, nn.Module, ParallelStyle]]:
     """(name, submodule, style) for every submodule a plan pattern matches; each pattern must match one."""
@@ -182,7 +159,8 @@ def _matches(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple
     for pattern, style in plan.items():
         if not isinstance(style, ParallelStyle):
             raise ShardingError(f"parallelize_module: plan[{pattern!r}] is {style!r}, not a style; use "
-                                "monarch.ColwiseParallel(dim=...), RowwiseParallel(...) or SequenceParallel(...)")
+                                "ColwiseParallel(), RowwiseParallel(), SequenceParallel(), PrepareModuleInput(...) "
+                                "or PrepareModuleOutput(...)")
         hits = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
             sample = [n for n in modules if n][:8]

@@ -78,9 +78,9 @@ class GPT(nn.Module):
 MLP_PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
 GPT_PLAN = {"tok": RowwiseParallel(), "attn.[qkv]": ColwiseParallel(), "attn.proj": RowwiseParallel(),
             "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(),
-            "head": ColwiseParallel(output_layout=R)}
-SP_PLAN = {**GPT_PLAN, "tok": RowwiseParallel(output_layout=Shard(1)), "ln*": SequenceParallel(),
-           "attn.proj": RowwiseParallel(output_layout=Shard(1)), "mlp.fc2": RowwiseParallel(output_layout=Shard(1))}
+            "head": ColwiseParallel(output_layouts=R)}
+SP_PLAN = {**GPT_PLAN, "tok": RowwiseParallel(output_layouts=Shard(1)), "ln*": SequenceParallel(),
+           "attn.proj": RowwiseParallel(output_layouts=Shard(1)), "mlp.fc2": RowwiseParallel(output_layouts=Shard(1))}
 
 
 def mlp_batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -232,7 +232,8 @@ def test_embedding_colwise_and_mesh_tensor_params_are_redistributed() -> None:
     ref = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 4))
     model = copy.deepcopy(ref)
     model[1].weight = nn.Parameter(monarch.distribute_tensor(ref[1].weight, mesh, {"dp": Shard(1), "tp": Shard(0)}))
-    monarch.parallelize_module(model, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel(output_layout=None)})
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel(output_layouts=monarch.Partial())}  # keeps the partial sum
+    monarch.parallelize_module(model, mesh, plan)
     assert model[0].weight.placements == (R, Shard(1))
     assert model[1].weight.placements == (Shard(1), Shard(1)), "dp kept, tp redistributed"
     idx = torch.randint(0, 10, (3, 5))
