@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from monarch.dtensor._api import distribute_tensor, empty, full, ones, rand, randn, zeros
 from monarch.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from monarch.parallel import distribute_module
 from monarch.tensor.meshtensor import MeshTensor as DTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard
 
-__all__ = ["DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_tensor", "empty",
-           "full", "init_device_mesh", "ones", "rand", "randn", "zeros"]
+__all__ = ["DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_module",
+           "distribute_tensor", "empty", "full", "init_device_mesh", "ones", "rand", "randn", "zeros"]
