@@ -16,13 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from monarch.dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from monarch.dtensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from monarch.dtensor.debug import CommDebugMode
 from monarch.dtensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
                                       SequenceParallel, parallelize_module)
 from monarch.errors import MeshError, ShardingError
-from monarch.parallel import distribute_module
 from monarch.runtime.session.local import LocalMesh
-from monarch.runtime.session.session import session_of
 
 PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
 
@@ -36,21 +35,18 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def collectives(mesh: Any, fn: Callable[[], Any]) -> tuple[list[str], Any]:
-    """What `fn` ships ("all_reduce[tp]", ...), everything pending shipped first, and what it returned."""
-    s = session_of(mesh.root if hasattr(mesh, "root") else mesh)
-    s.flush()
-    n = len(s.collectives)
-    out = fn()
-    s.flush()
-    return s.collectives[n:], out
+def collectives(fn: Callable[[], Any]) -> tuple[list[str], Any]:
+    """What `fn` ships ("all_reduce[tp]", ...), and what it returned."""
+    with CommDebugMode() as comm:
+        out = fn()
+    return comm.collectives, out
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.full_tensor() if isinstance(got, DTensor) else got, want, atol=2e-5, rtol=1e-4)
 
 
-def check_mlp(root: Any, tp_mesh: Any, lead: tuple) -> None:
+def check_mlp(tp_mesh: Any, lead: tuple) -> None:
     """The TP MLP on `tp_mesh` against plain torch: placements, output, parameter gradients, one SGD step,
     and the collectives (one all_reduce over tp forward, none backward for an input that needs no grad).
     `lead` is the placements of the mesh dims before tp."""
@@ -60,10 +56,10 @@ def check_mlp(root: Any, tp_mesh: Any, lead: tuple) -> None:
     assert model.fc1.weight.placements == (*lead, Shard(0)) and model.fc2.weight.placements == (*lead, Shard(1))
     assert model.fc2.bias.placements == (*lead, Replicate())
     x = torch.randn(6, 8)
-    comms, out = collectives(root, lambda: model(x))
+    comms, out = collectives(lambda: model(x))
     assert comms == ["all_reduce[tp]"] and out.placements == (*lead, Replicate())
     close(out, ref(x))
-    comms, _ = collectives(root, lambda: out.pow(2).sum().backward())
+    comms, _ = collectives(lambda: out.pow(2).sum().backward())
     assert comms == []
     ref(x).pow(2).sum().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
@@ -76,13 +72,13 @@ def check_mlp(root: Any, tp_mesh: Any, lead: tuple) -> None:
 
 def test_mlp_on_a_1d_mesh_matches_torch() -> None:
     mesh = LocalMesh({"tp": 2})
-    check_mlp(mesh, mesh, ())
+    check_mlp(mesh, ())
 
 
 @pytest.mark.parametrize("form", ["view", "tuple"])
 def test_mlp_on_tp_of_dp_x_tp_matches_torch(form: str) -> None:
     mesh = LocalMesh({"dp": 2, "tp": 2})
-    check_mlp(mesh, mesh["tp"] if form == "view" else (mesh, "tp"), (Replicate(),))
+    check_mlp(mesh["tp"] if form == "view" else (mesh, "tp"), (Replicate(),))
 
 
 def test_a_bare_style_applies_to_the_module_and_the_default_mesh_is_used() -> None:
@@ -94,7 +90,7 @@ def test_a_bare_style_applies_to_the_module_and_the_default_mesh_is_used() -> No
     with mesh:
         parallelize_module(lin, parallelize_plan=ColwiseParallel(output_layouts=Replicate()))
     assert lin.weight.placements == (Shard(0),)
-    comms, out = collectives(mesh, lambda: lin(x))
+    comms, out = collectives(lambda: lin(x))
     assert comms == ["all_gather[tp]"] and out.placements == (Replicate(),)
     close(out, want)
 
@@ -111,7 +107,7 @@ def test_rowwise_input_and_output_layouts(layouts: dict, comms: list[str], place
     mesh = LocalMesh({"tp": 2})
     lin = parallelize_module(copy.deepcopy(ref), mesh, RowwiseParallel(**layouts))
     x = torch.randn(6, 8)
-    got, out = collectives(mesh, lambda: lin(x))
+    got, out = collectives(lambda: lin(x))
     assert got == comms and out.placements == (placed,)
     close(out, ref(x))
 
@@ -127,12 +123,12 @@ def test_embedding_rowwise_with_sequence_parallel_norm() -> None:
         "1": SequenceParallel(),
         "2": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
     idx = torch.randint(0, 16, (2, 6))
-    comms, out = collectives(mesh, lambda: model(idx))
+    comms, out = collectives(lambda: model(idx))
     assert comms == ["reduce_scatter[tp]", "all_gather[tp]", "all_gather[tp]"], comms
     assert model[0].weight.placements == (Shard(0),) and model[1].weight.placements == (Replicate(),)
     close(out, ref(idx))
     norm = parallelize_module(copy.deepcopy(ref[1]), mesh, SequenceParallel(sequence_dim=0))
-    comms, y = collectives(mesh, lambda: norm(distribute_tensor(torch.ones(4, 3, 8), mesh, [Shard(1)])))
+    comms, y = collectives(lambda: norm(distribute_tensor(torch.ones(4, 3, 8), mesh, [Shard(1)])))
     assert y.placements == (Shard(0),) and comms == ["all_to_all[tp]"], comms
 
 
@@ -154,7 +150,7 @@ def test_prepare_module_input_per_argument_and_keyword() -> None:
         input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None),
         input_kwarg_layouts={"z": Shard(0)}, desired_input_kwarg_layouts={"z": Replicate()}))
     x, z = torch.randn(4, 3), torch.randn(4, 3)
-    comms, out = collectives(mesh, lambda: mix(distribute_tensor(x, mesh, [Shard(0)]), "tag", z=z, scale=3.0))
+    comms, out = collectives(lambda: mix(distribute_tensor(x, mesh, [Shard(0)]), "tag", z=z, scale=3.0))
     assert comms == ["all_gather[tp]"], "the sharded x is gathered; the plain z is placed as asked, no collective"
     assert mix.seen == {"x": (Replicate(),), "y": "str", "z": (Replicate(),)}
     close(out, x * 3.0 + z)
@@ -174,7 +170,7 @@ def test_prepare_module_output_per_output() -> None:
     pair = parallelize_module(Pair(), mesh, PrepareModuleOutput(output_layouts=(Shard(0), None),
                                                                 desired_output_layouts=(Replicate(), None)))
     a = torch.randn(4, 2)
-    comms, (got, b) = collectives(mesh, lambda: pair(distribute_tensor(a, mesh, [Shard(0)]), 7))
+    comms, (got, b) = collectives(lambda: pair(distribute_tensor(a, mesh, [Shard(0)]), 7))
     assert comms == ["all_gather[tp]"] and got.placements == (Replicate(),) and b == 7
     close(got, a)
     one = parallelize_module(nn.Identity(), mesh, PrepareModuleOutput(output_layouts=Replicate(),
