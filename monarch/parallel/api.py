@@ -20,12 +20,12 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from monarch.errors import MeshError, ShardingError
+from monarch.parallel.layouts import MeshDim, check_dim, on_dim
+from monarch.parallel.styles import ParallelStyle
 from monarch.runtime.control.futures import Future
 from monarch.runtime.session.api import distribute_tensor, fetch
 from monarch.runtime.session.session import session_of
 from monarch.runtime.session.torch_state import on_mesh_of
-from monarch.parallel.layouts import MeshDim, check_dim, on_dim
-from monarch.parallel.styles import ParallelStyle
 from monarch.shape import MeshLike, SubMesh, default_mesh
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Placement, Replicate, Shard
@@ -82,14 +82,15 @@ def distribute_module(module: nn.Module, device_mesh: MeshLike | SubMesh | None 
         if fn is not None and len(inspect.signature(fn).parameters) != 3:
             raise ShardingError(f"{what}: {kind} takes 3 arguments, {fn!r} takes "
                                 f"{len(inspect.signature(fn).parameters)}")
-    for name, sub in list(module.named_modules()) if partition_fn is not None else ():
-        partition_fn(name, sub, device_mesh)
+    if partition_fn is not None:
+        for name, sub in list(module.named_modules()):
+            partition_fn(name, sub, device_mesh)
     _adopt(module, _root(device_mesh), {}, {})
     if input_fn is not None:
         module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
     if output_fn is not None:
         module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
-    module._distribute_module_applied = True
+    setattr(module, "_distribute_module_applied", True)  # nn.Module's __setattr__ is typed for tensors and modules
     return module
 
 
@@ -188,7 +189,7 @@ def _adopt(module: nn.Module, mesh: MeshLike, dims: dict[str, Placement], memo: 
                 _check_mesh(t, mesh, _qualname(mname, pname))
     if not getattr(module, "_monarch_loads", False):
         module.register_load_state_dict_pre_hook(_gather_foreign)
-        module._monarch_loads = True
+        setattr(module, "_monarch_loads", True)
 
 
 def _gather_foreign(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:

@@ -152,17 +152,17 @@ class PrepareModuleInput(ParallelStyle):
     input_kwarg_layouts: dict[str, Placement] | None = None
     desired_input_kwarg_layouts: dict[str, Placement] | None = None
     use_local_output: bool = False
-    _names: ClassVar = (("input_layouts", "desired_input_layouts"),
-                        ("input_kwarg_layouts", "desired_input_kwarg_layouts"))
+    _names: ClassVar[tuple[tuple[str, str], tuple[str, str]]] = (
+        ("input_layouts", "desired_input_layouts"), ("input_kwarg_layouts", "desired_input_kwarg_layouts"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for f in self._names[0]:
-            object.__setattr__(self, f, layout_tuple(getattr(self, f), f"PrepareModuleInput({f})"))
-        for f in self._names[1]:
-            object.__setattr__(self, f, kwarg_layouts(getattr(self, f), f"PrepareModuleInput({f})"))
-        paired(self.input_layouts, self.desired_input_layouts, self._names[0], optional_desired=True)
-        paired_kwargs(self.input_kwarg_layouts, self.desired_input_kwarg_layouts, self._names[1])
+        args = [layout_tuple(getattr(self, f), f"PrepareModuleInput({f})") for f in self._names[0]]
+        kwargs = [kwarg_layouts(getattr(self, f), f"PrepareModuleInput({f})") for f in self._names[1]]
+        for f, v in [*zip(self._names[0], args, strict=True), *zip(self._names[1], kwargs, strict=True)]:
+            object.__setattr__(self, f, v)
+        paired(args[0], args[1], self._names[0], optional_desired=True)
+        paired_kwargs(kwargs[0], kwargs[1], self._names[1])
 
     def install(self, module: nn.Module, on: MeshDim) -> None:
         module.register_forward_pre_hook(lambda mod, args, kwargs: self._prepare(mod, args, kwargs, on),
@@ -172,7 +172,7 @@ class PrepareModuleInput(ParallelStyle):
         what = type(module).__name__
         layouts, desired = self.input_layouts, self.desired_input_layouts
         if layouts is not None:
-            assert isinstance(desired, tuple), desired
+            assert isinstance(layouts, tuple) and isinstance(desired, tuple), (layouts, desired)
             if len(args) != len(layouts):
                 raise ShardingError(f"module inputs and input_layouts should have same length! {what} got "
                                     f"{len(args)} positional inputs, input_layouts={layouts}")
@@ -189,15 +189,16 @@ class PrepareModuleOutput(ParallelStyle):
     brought to `desired_output_layouts`. A single output comes back alone, several as a tuple (as in DTensor)."""
     output_layouts: Layouts
     desired_output_layouts: Layouts
-    _names: ClassVar = ("output_layouts", "desired_output_layouts")
+    _names: ClassVar[tuple[str, str]] = ("output_layouts", "desired_output_layouts")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for f in self._names:
-            object.__setattr__(self, f, layout_tuple(getattr(self, f), f"PrepareModuleOutput({f})"))
-        if self.output_layouts is None:
+        outs = [layout_tuple(getattr(self, f), f"PrepareModuleOutput({f})") for f in self._names]
+        for f, v in zip(self._names, outs, strict=True):
+            object.__setattr__(self, f, v)
+        if outs[0] is None:
             raise ShardingError("PrepareModuleOutput needs output_layouts and desired_output_layouts")
-        paired(self.output_layouts, self.desired_output_layouts, self._names, optional_desired=False)
+        paired(outs[0], outs[1], self._names, optional_desired=False)
 
     def install(self, module: nn.Module, on: MeshDim) -> None:
         module.register_forward_hook(lambda mod, args, out: self._prepare(mod, out, on))
