@@ -14,8 +14,9 @@ class MeshError(MonarchError, ValueError):
     """A mesh operation got bad input: an unknown dim, an out-of-range index, an impossible split."""
 
 
-class ShardingError(MonarchError):
-    """Tensors with incompatible shardings, shapes or meshes met in one op."""
+class ShardingError(MonarchError, ValueError):
+    """Tensors with incompatible shardings, shapes or meshes met in one op, or a bad placement (a ValueError, as
+    DTensor raises for those)."""
 
 
 class ShapeError(ShardingError, RuntimeError):

@@ -1,9 +1,11 @@
 """Redistribution planned as data: the steps that turn one placement tuple into another, and their cost.
 
 Per mesh dim: S->R all_gather, P->R all_reduce, P->S reduce_scatter, S(i)->S(j) all_to_all, R->S a
-local chunk, R->P a local "keep on the first rank, the reduction's identity elsewhere". Shards nest in
+local chunk, R->P a local "keep on the first rank, the reduction's identity elsewhere"; a Partial(avg)
+is first divided by the dim's size where it stands (a local "unaverage" to Partial(sum)). Shards nest in
 mesh-dim order, so un-sharding runs from the last mesh dim to the first and sharding from the first to
-the last; a mesh dim whose shard sits inside one being undone is undone and redone too.
+the last; a mesh dim whose shard sits inside one being undone is undone and redone too. On a mesh dim
+of size 1 every step is a local copy: no collective runs over a single rank.
 """
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ from dataclasses import dataclass
 
 from monarch.program.instr import Buf, Comm, Local
 from monarch.shape import group_coords
-from monarch.tensor.placement import Partial, Placement, Placements, R, Shard
+from monarch.tensor.placement import P, Partial, Placement, Placements, R, Shard
 from monarch.tensor.spec import Spec
 
 COMM_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 COST_FACTOR = {"all_gather": 1.0, "all_reduce": 2.0, "reduce_scatter": 1.0, "all_to_all": 0.5,
-               "chunk": 0.0, "partialize": 0.0}
+               "chunk": 0.0, "partialize": 0.0, "unaverage": 0.0}
+AVG = Partial("avg")
 
 
 def cost(kind: str, spec: Spec, mdim: int) -> float:
@@ -52,7 +55,7 @@ class Step:
 
     @property
     def is_comm(self) -> bool:
-        return self.kind in COMM_KINDS
+        return self.kind in COMM_KINDS and self.before.mesh.sizes[self.mdim] > 1
 
     def cost(self) -> float:
         return cost(self.kind, self.before, self.mdim)
@@ -84,6 +87,13 @@ def plan(src: Spec, dst: Placements) -> Plan:
     steps: list[Step] = []
     spec = src
     for d in sorted(undo, reverse=True):
+        if cur[d] == AVG:  # an average is a sum of pieces divided by their count
+            cur[d] = P
+            after = spec.with_placements(tuple(cur))
+            steps.append(Step("unaverage", d, spec, after))
+            spec = after
+            if cur[d] == dst[d]:
+                continue
         kind, new = _undo_step(cur, list(dst), d)
         cur[d] = new
         after = spec.with_placements(tuple(cur))
@@ -140,6 +150,12 @@ def _alone(cur: list[Placement], dst: list[Placement], d: int):
 def emit_step(step: Step, coords: tuple[int, ...], src: int, out: int) -> Local | Comm:
     """The instruction that runs `step` at mesh point `coords`."""
     d = step.mdim
+    if step.kind == "unaverage":
+        n, floating = step.before.mesh.sizes[d], step.before.dtype.is_floating_point or step.before.dtype.is_complex
+        return Local("aten::div.Scalar", (Buf(src), n), {}, (out,)) if floating else \
+            Local("aten::div.Scalar_mode", (Buf(src), n), {"rounding_mode": "trunc"}, (out,))
+    if step.before.mesh.sizes[d] == 1 and step.kind != "chunk":  # one rank: its piece is the whole, no collective
+        return Local("aten::clone", (Buf(src),), {}, (out,))
     if step.kind == "chunk":
         p = step.after.placements[d]
         assert isinstance(p, Shard)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from monarch.errors import ShardingError
 
-REDUCE_OPS = ("sum", "max", "min", "prod")
+REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 
 
 class Placement:
@@ -45,14 +45,21 @@ class Replicate(Placement):
         return "R"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Partial(Placement):
-    """Every rank holds a partial value; the tensor is their reduction by `op`."""
-    op: str = "sum"
+    """Every rank holds a partial value; the tensor is their reduction by `op` (DTensor's `reduce_op`: sum,
+    avg, max, min or prod). `Partial("avg")`, `Partial(reduce_op="avg")` and `Partial(op="avg")` are one."""
+    op: str
 
-    def __post_init__(self) -> None:
-        if self.op not in REDUCE_OPS:
-            raise ShardingError(f"Partial(op={self.op!r}) is not a reduction monarch knows; use one of {REDUCE_OPS}")
+    def __init__(self, reduce_op: str = "sum", *, op: str | None = None) -> None:
+        op = reduce_op if op is None else op
+        if op not in REDUCE_OPS:
+            raise ShardingError(f"Partial({op!r}) is not a reduction monarch knows; use one of {REDUCE_OPS}")
+        object.__setattr__(self, "op", op)
+
+    @property
+    def reduce_op(self) -> str:
+        return self.op
 
     def is_partial(self) -> bool:
         return True

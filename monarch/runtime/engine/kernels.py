@@ -22,8 +22,8 @@ def chunk(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 
 def partialize(x: torch.Tensor, keep: bool, op: str = "sum") -> torch.Tensor:
     """A replicated tensor as Partial(op): the first rank of the dim keeps it, the others hold zeros (sum),
-    ones (prod), or keep it too (max and min, whose reduction of equal values is that value)."""
-    if keep or op in ("max", "min"):
+    ones (prod), or keep it too (avg, max and min, whose reduction of equal values is that value)."""
+    if keep or op in ("max", "min", "avg"):
         return x.clone()
     return torch.ones_like(x) if op == "prod" else torch.zeros_like(x)
 
