@@ -186,8 +186,8 @@ class Tracer:
         to the placements decided, append the node, and hand back its outputs as MeshTensors."""
         ins: list[MeshTensor] = []
         try:
-            entry = self._decided(func, args, kwargs, ins)
-        except _PlainTensor:
+            entry = self.decided(func, args, kwargs, ins)
+        except PlainTensor:
             return self.record(func, *self.constants((args, kwargs)))
         if entry.inplace:
             _check_aliased_write(func, ins[0], entry.decision.ins[0])
@@ -199,7 +199,7 @@ class Tracer:
             _share_or_copy_view(func, ins[0], srcs[0][1], outs)
         return entry.build(outs)
 
-    def _decided(self, func: Any, args: tuple, kwargs: dict, ins: list[MeshTensor]) -> Recorded:
+    def decided(self, func: Any, args: tuple, kwargs: dict, ins: list[MeshTensor]) -> Recorded:
         """What the op's signature records (cached); collects its MeshTensor arguments into `ins`."""
         try:
             key = (func, _key(args, ins), _key(kwargs, ins) if kwargs else None)
@@ -235,7 +235,7 @@ class Tracer:
             target._handle.share(out._handle)
         if self.capture is not None:
             self.capture.touched.append(weakref.ref(target))
-        return _rebind(target, out)
+        return rebind(target, out)
 
     def seeded(self, node: fx.Node) -> None:
         """Give random op `node` its seed (`Emit.seed`), the next of monarch.manual_seed's stream. In a
@@ -324,7 +324,7 @@ class Tracer:
         return traced
 
 
-class _PlainTensor(Exception):
+class PlainTensor(Exception):
     """A plain torch.Tensor argument: it becomes a replicated constant first."""
 
 
@@ -374,7 +374,7 @@ def _key(obj: Any, ins: list[MeshTensor]) -> Any:
     if t is torch.Tensor and obj.ndim == 0 and obj.device.type == "cpu":  # a scalar, e.g. from torch.where(c, x, 0.)
         return (t, obj.dtype, obj.item())
     if isinstance(obj, torch.Tensor):
-        raise _PlainTensor()
+        raise PlainTensor()
     if isinstance(obj, PLAIN):
         return obj
     raise TypeError(f"unhashable {t.__name__}")
@@ -433,7 +433,7 @@ def _share_or_copy_view(func: Any, base: MeshTensor, read: int, outs: list[MeshT
             base._handle.share(o._handle)
 
 
-def _rebind(target: MeshTensor, out: MeshTensor) -> MeshTensor:
+def rebind(target: MeshTensor, out: MeshTensor) -> MeshTensor:
     """An in-place op: `target` now names the op's result (new placements; `squeeze_`, `t_`: new shape too)."""
     target._spec, target._handle = out._spec, out._handle
     if target.shape != out.shape or target.stride() != out.stride():

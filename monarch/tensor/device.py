@@ -8,11 +8,13 @@ of a factory or of `_to_copy`), else on its inputs' one; inputs on different dev
 as torch raises on the workers, except 0-dim CPU tensors beside GPU ones (scalars, which torch allows).
 A move is an autograd Function whose backward moves the gradient back, since the C++ shortcut of
 `Tensor.to` compares the wrapper's CPU device and would skip a GPU-to-host move altogether.
+A meta MeshTensor (placed from a tensor built under `torch.device("meta")`) has a spec and a `MetaHandle`:
+no buffer anywhere; `module.to_empty(device=...)` makes each rank's piece on its worker.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -47,6 +49,8 @@ def result_device(what: str, args: Sequence[Any], kwargs: dict[str, Any], ins: S
     here = {s.device for s in ins if s.ndim or s.device != "cpu"}  # 0-dim CPU tensors go with any device
     if len(here) > 1:
         specs = ", ".join(repr(s) for s in ins)
+        if "meta" in here:
+            raise no_data(f"{what} of {specs}: inputs on the meta device and on {here - {'meta'}}")
         raise DeviceError(f"{what}: inputs on different devices ({specs}); move them to one with .to('cuda') or "
                           ".cpu() first, as plain torch requires")
     if named is not None:
@@ -121,6 +125,62 @@ def gpu_named(kwargs: dict) -> bool:
     """Whether a torch function's keywords name a GPU."""
     d = kwargs.get("device")
     return d is not None and (isinstance(d, int) or torch.device(d).type == "cuda")
+
+
+def empty_like(t: Any, *args: Any, **kwargs: Any) -> Any:
+    """`torch.empty_like` of a MeshTensor. Of a meta one (what `module.to_empty(device=...)` calls) the pieces are
+    made on the device named, None meaning the mesh's (the one place they can live); on a GPU, made there
+    directly (torch's own empty_like would initialise CUDA on the controller first). Of others: as any torch
+    function (NotImplemented), made on the CPU and moved when a GPU is named."""
+    if isinstance(getattr(t, "_handle", None), MetaHandle):
+        device, grad = kwargs.pop("device", None), kwargs.pop("requires_grad", False)
+        kind = t.mesh.device if device is None else device_type(device, "empty_like (module.to_empty)", t.mesh.device)
+        return torch.ops.aten.empty_like.default(t, *args, **kwargs, device=torch.device(kind)).requires_grad_(grad)
+    if gpu_named(kwargs):
+        return made_then_moved(torch.empty_like, (t, *args), kwargs, _call)
+    return NotImplemented
+
+
+def _call(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
+
+
+def no_data(what: str) -> DeviceError:
+    """The error of reading a meta MeshTensor's data (its buffer, its values), naming the fix."""
+    return DeviceError(f"{what}: a meta MeshTensor (placed from a tensor built under torch.device('meta')) has a "
+                       "shape and placements but no data, on the controller or on any worker; materialise the module "
+                       "first: module.to_empty(device='cpu', 'cuda' or None for the mesh's device) makes each rank's "
+                       "piece on its worker, then module.reset_parameters() (or nn.init.*, or load_state_dict) "
+                       "fills them")
+
+
+class MetaOwner(Protocol):
+    """The session of a meta MeshTensor: it counts the live ones (while none lives, ops skip the meta check)."""
+    metas: int
+
+
+class MetaHandle:
+    """The handle of a meta MeshTensor: a shape and placements (its spec, device "meta"), no buffer on the
+    controller or on any worker. Whatever asks for its buffer (a fetch, a redistribution on the workers,
+    a compiled step) gets `no_data`."""
+    __slots__ = ("owner", "spec")
+    copied_view = False  # no view of it shares storage: there is none
+
+    def __init__(self, owner: MetaOwner, spec: Spec) -> None:
+        owner.metas += 1
+        self.owner, self.spec = owner, spec
+
+    def __del__(self) -> None:
+        self.owner.metas -= 1
+
+    def aliased(self) -> bool:
+        return False
+
+    @property
+    def id(self) -> int:
+        raise no_data(f"reading the data of {self.spec!r}")
+
+    node = id
 
 
 def _dtype_arg(args: Sequence[Any]) -> torch.dtype | None:

@@ -91,6 +91,11 @@ class MeshTensor(torch.Tensor):
     def is_cpu(self) -> bool:
         return self._spec.device == "cpu"
 
+    @property  # type: ignore[override]
+    def is_meta(self) -> bool:
+        """Placed from a meta tensor: a shape and placements, no data anywhere (`module.to_empty` makes it)."""
+        return self._spec.device == "meta"
+
     @property
     def spec(self) -> Spec:
         return self._spec
@@ -155,11 +160,14 @@ class MeshTensor(torch.Tensor):
         return self.full_tensor().numpy()
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        where = f"mesh=({self._spec.mesh.label()}), placements={self._spec.placement_str()}"
+        if self.is_meta:
+            return f"MeshTensor(..., size={tuple(self.shape)}, device='meta', {where})"
         with contextlib.ExitStack() as modes:  # off while fetching and printing: activate()'s factories would
             for _ in range(torch._C._len_torch_function_stack()):  # make their tensors MeshTensors
                 modes.enter_context(torch.overrides._pop_mode_temporarily())
             body = repr(self.full_tensor())
-        return f"MeshTensor({body}, mesh=({self._spec.mesh.label()}), placements={self._spec.placement_str()})"
+        return f"MeshTensor({body}, {where})"
 
     __str__ = __repr__  # type: ignore[assignment]
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from monarch.tensor import attention, setitem
-from monarch.tensor.device import cpu as to_cpu, cuda as to_cuda, to as to_device
+from monarch.tensor.device import cpu as to_cpu, cuda as to_cuda, empty_like, to as to_device
 
 
 @torch.library.custom_op("monarch::matmul", mutates_args=())
@@ -120,6 +120,7 @@ READS_DATA = frozenset([torch.tensor_split, torch.Tensor.tensor_split])  # read 
 WHOLE: dict[Any, Any] = {  # composite ops that would merge a sharded batch dim with another dim, and moves
     torch.nn.functional.linear: linear_call,
     torch.Tensor.to: to_device, torch.Tensor.cpu: to_cpu, torch.Tensor.cuda: to_cuda,
+    torch.empty_like: empty_like,  # a meta MeshTensor made on the workers (module.to_empty)
     torch.nn.functional.multi_head_attention_forward: attention.multi_head_attention_forward,
     torch.Tensor.__setitem__: setitem.assign,  # along a sharded dim
 }

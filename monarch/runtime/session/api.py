@@ -32,7 +32,7 @@ from monarch.tensor.dynamo import eager_under_torch_compile
 from monarch.tensor.meshtensor import MeshTensor
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
 from monarch.tensor.random import next_seed
-from monarch.tensor.spec import Spec
+from monarch.tensor.spec import Spec, spec_of
 
 PlacementsArg = Mapping[str, Placement] | Sequence[Placement] | None
 Device = torch.device | str | int | None
@@ -175,11 +175,13 @@ def distribute_tensor(tensor: torch.Tensor, mesh: MeshLike, placements: Placemen
 
 def _copy(tensor: torch.Tensor, mesh: MeshLike, placements: PlacementsArg, device: Device = None) -> MeshTensor:
     """distribute_tensor of a plain tensor or of a MeshTensor of another mesh, outside autograd, onto `device`
-    (default: the mesh's)."""
+    (default: the mesh's); of a meta tensor, a meta MeshTensor (no data is sent or made)."""
     s = session_of(mesh)
     if isinstance(tensor, MeshTensor):
         tensor = tensor.full_tensor()
     ps = normalize(placements, s.abstract.labels, tensor.ndim, "distribute_tensor")
+    if tensor.is_meta:  # a shape and placements: nothing is made on the workers until module.to_empty
+        return s.meta(spec_of(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), ps, s.abstract, "meta"))
     whole = tuple(Replicate() if isinstance(p, Partial) else p for p in ps)
     data = tensor.detach().cpu().clone()
 

@@ -21,8 +21,9 @@ from monarch import config
 from monarch.errors import TraceError, TransportError
 from monarch.graph.decompose import Decomposition, decomposition
 from monarch.graph.partition import FREE_BATCH, partition
+from monarch.graph.rules.factory import LIKE, NEW, RANDOM_LIKE
 from monarch.graph.rules.table import Emit, writes_first_arg
-from monarch.graph.trace import TracedGraph, Tracer
+from monarch.graph.trace import PlainTensor, TracedGraph, Tracer, rebind
 from monarch.program.instr import Buf, Comm, Local, Start
 from monarch.program.program import RankProgram
 from monarch.runtime.control import codec
@@ -35,7 +36,8 @@ from monarch.runtime.session.crossmesh import PlacementsArg
 from monarch.runtime.session.lower import lower, lower_install
 from monarch.shape import MeshLike
 from monarch.tensor.data_dependent import whole
-from monarch.tensor.meshtensor import MeshTensor
+from monarch.tensor.device import MetaHandle, no_data
+from monarch.tensor.meshtensor import MeshTensor, _tensor_args
 from monarch.tensor.placement import Placement, Replicate, Shard
 from monarch.tensor.spec import Spec, spec_of
 
@@ -70,6 +72,7 @@ class Session:
         self.collectives: list[str] = []  # kind[dim] of every collective shipped, in order
         self.flush_ops = config.flush_ops()
         self.capturing = False
+        self.metas = 0  # live meta MeshTensors (MetaHandle counts them)
         _all.add(self)
         self._programs: dict[int, list[str]] = {}  # installed program id -> its collectives
         self._forgotten: list[int] = []  # programs dropped here, uninstalled by the workers with the next call
@@ -103,14 +106,50 @@ class Session:
         return func(*whole(args), **whole(kwargs))
 
     def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.metas and any(t.is_meta for t in _tensor_args(args, kwargs)):
+            return self._on_meta(func, args, kwargs)
         out = self.tracer.record(func, args, kwargs)
         if self.tracer.n_ops >= self.flush_ops and not self.capturing:
             self.flush()
         return out
 
+    def _on_meta(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op on meta MeshTensors, answered here: its outputs are meta MeshTensors placed as the sharding rules
+        place them (nothing is recorded or shipped). One making real tensors from their shapes alone (the
+        empty_like of `module.to_empty`, zeros_like, rand_like, new_*) makes them on the workers; any other
+        reading of their data raises `no_data`."""
+        ins: list[MeshTensor] = []
+        try:
+            entry = self.tracer.decided(func, args, kwargs, ins)
+        except PlainTensor:
+            raise no_data(f"{func.name()}: a plain tensor met a meta MeshTensor") from None
+        outs = entry.decision.outs
+        if all(spec.device == "meta" for spec in outs):
+            made = [self.meta(spec) for spec in outs]
+            return rebind(args[0], made[0]) if entry.inplace else entry.build(made)
+        if func not in SHAPES_ONLY:
+            raise no_data(f"{func.name()} reads the data of {', '.join(repr(t._spec) for t in ins if t.is_meta)}")
+        if func in ZEROS:
+            return self.materialise(outs[0])
+        x = self.materialise(replace(args[0]._spec, device=outs[0].device))
+        return self.record(func, (x, *args[1:]), kwargs)
+
+    def meta(self, spec: Spec) -> MeshTensor:
+        """A meta MeshTensor of `spec` (device "meta"): no buffer anywhere."""
+        return MeshTensor(spec, self, MetaHandle(self, spec))
+
+    def materialise(self, spec: Spec) -> MeshTensor:
+        """Zeros placed as `spec`, each rank's piece made on its worker (monarch's empty is zero-filled)."""
+        kw = {"dtype": spec.dtype, **({} if spec.device == "cpu" else {"device": torch.device(spec.device)})}
+        node, ids = self.tracer.node(_target("aten::zeros"), (), (spec,), lambda ctx: [
+            Local("aten::zeros", (list(spec.local_shape(ctx.coords)),), kw, ctx.out_ids)])
+        return self.tracer.wrap(spec, node, ids[0])
+
     def redistribute(self, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
         if placements == t._spec.placements:
             return t
+        if t.is_meta:  # no data to move
+            return self.meta(t._spec.with_placements(placements))
         node, id = self.tracer.moved(t, t._spec.with_placements(placements))
         return self.tracer.wrap(node.meta["specs"][0], node, id)
 
@@ -300,6 +339,10 @@ class RemoteRunner:
             frames = {r: codec.encode_frame([installs[r], call]) for r in ranks}
         controller().send_each(self.procs.mesh_id, frames, 0, None,
                                "a call of a monarch.compile'd step (its program or plain tensor arguments)")
+
+
+SHAPES_ONLY = frozenset((*LIKE, *NEW, *RANDOM_LIKE))  # ops reading only their first argument's shape
+ZEROS = frozenset((torch.ops.aten.empty_like.default, torch.ops.aten.zeros_like.default))  # monarch's empty: zeros
 
 
 def _apart(a: MeshLike, b: MeshLike) -> bool:
