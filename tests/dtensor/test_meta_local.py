@@ -84,13 +84,14 @@ def test_a_meta_model_parallelised_keeps_placements_and_forward_refuses(mesh: Lo
         net(torch.randint(0, 10, (4, 3)))
 
 
-@pytest.mark.parametrize("read", ["item", "full_tensor", "fetch", "nonzero", "copy out", "plain operand", "bool",
-                                  "generator"])
+@pytest.mark.parametrize("read", ["item", "full_tensor", "fetch", "nonzero", "copy out", "copy in", "plain operand",
+                                  "bool", "generator"])
 def test_reading_meta_data_raises_naming_the_fix(mesh: LocalMesh, read: str) -> None:
     w = distribute_tensor(torch.empty(4, 6, device="meta"), mesh, [R, Shard(1)])
     reads: dict[str, Callable[[], object]] = {
         "item": lambda: w.sum().item(), "full_tensor": w.full_tensor, "fetch": lambda: monarch.fetch(w),
         "nonzero": w.nonzero, "copy out": lambda: torch.zeros(4, 6).copy_(w),
+        "copy in": lambda: w.copy_(distribute_tensor(torch.ones(4, 6), mesh)),
         "plain operand": lambda: w + torch.ones(4, 6), "bool": lambda: bool((w > 0).any()),
         "generator": lambda: w.normal_(generator=torch.Generator().manual_seed(0)).sum().item(),
     }

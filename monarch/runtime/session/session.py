@@ -125,6 +125,8 @@ class Session:
             raise no_data(f"{func.name()}: a plain tensor met a meta MeshTensor") from None
         outs = entry.decision.outs
         if all(spec.device == "meta" for spec in outs):
+            if not all(t.is_meta for t in ins):  # copy_ of real data (a checkpoint) into a meta tensor: lost
+                raise no_data(f"{func.name()} writes real data into {args[0]._spec!r}, where it would be lost")
             made = [self.meta(spec) for spec in outs]
             return rebind(args[0], made[0]) if entry.inplace else entry.build(made)
         if func not in SHAPES_ONLY:
