@@ -1,7 +1,8 @@
 """Meta-device initialisation on real worker processes (a 2-rank tp mesh from init_device_mesh): a ~400 MB
 model built under `torch.device("meta")` is materialised and initialised on the workers while the controller's
 peak RSS grows by a small fraction of it; the values equal a LocalMesh run after the same monarch.manual_seed;
-and the model trains (eager and under monarch.compile) as plain torch does from the same weights.
+and the model trains (eager and under monarch.compile) as plain torch does from the same weights. On a CUDA
+mesh, to_empty makes the pieces on the workers' GPUs without initialising CUDA on the controller.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 
 import monarch
 from monarch import LocalMesh
+from monarch.actor import ProcMesh, this_host
 from monarch.dtensor import DeviceMesh, Shard, init_device_mesh
 from monarch.dtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -27,6 +29,26 @@ def mesh() -> Iterator[DeviceMesh]:
     tp = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     yield tp
     tp.stop()
+
+
+@pytest.fixture(scope="module")
+def gpu_procs() -> Iterator[ProcMesh]:
+    """A mesh whose workers each see a GPU by CUDA_VISIBLE_DEVICES (none exist here): a CUDA mesh whose
+    tensors are traced on the controller, never run."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+        procs = this_host().spawn_procs(per_host={"tp": 2})
+    yield procs
+    procs.stop().get(T)
+
+
+@pytest.mark.parametrize("device", [None, "cuda", torch.device("cuda", 1)])
+def test_to_empty_on_a_cuda_mesh_makes_the_pieces_on_its_gpus(gpu_procs: ProcMesh, device: object) -> None:
+    """No CUDA on the controller: this torch has none, and would raise if it initialised it."""
+    assert gpu_procs.device == "cuda"
+    model = parallelize_module(stack(2, 8), gpu_procs, plan(2)).to_empty(device=device)
+    assert all(p.device == torch.device("cuda") and not p.is_meta for p in model.parameters())
+    assert model[0].weight.placements == (Shard(0),) and model[1].weight.placements == (Shard(1),)
 
 
 def stack(n: int, width: int) -> nn.Sequential:
