@@ -13,12 +13,14 @@ from typing import Any, Protocol
 import torch
 
 from monarch.errors import ShardingError
-from monarch.shape import MeshLike
+from monarch.shape import DeviceMeshNames, MeshLike, SubMesh
 from monarch.tensor import dynamo, intercept, ops
 from monarch.tensor.intercept import Stages
 from monarch.tensor.ops import batched
-from monarch.tensor.placement import Placement, normalize
+from monarch.tensor.placement import Placement, Replicate, normalize
 from monarch.tensor.spec import Spec
+
+PlacementsLike = Mapping[str, Placement] | Sequence[Placement] | None
 
 
 class Backend(Stages, Protocol):
@@ -65,7 +67,7 @@ class MeshTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
                            kwargs: dict | None = None) -> Any:
         """Every aten op: recorded by the backend of its mesh (steps 2 to 5 of tensor/intercept.py)."""
-        return intercept.dispatch(_backend_of(func, args, kwargs), func, args, kwargs or {})
+        return intercept.dispatch(backend_of(func, args, kwargs), func, args, kwargs or {})
 
     # -- sharding --------------------------------------------------------------------------------
     @property
@@ -100,12 +102,30 @@ class MeshTensor(torch.Tensor):
     def spec(self) -> Spec:
         return self._spec
 
-    def redistribute(self, placements: Mapping[str, Placement] | Sequence[Placement]) -> MeshTensor:
-        """The same global tensor with new placements (collectives run on the workers)."""
-        target = normalize(placements, self._spec.mesh.labels, self.ndim, "redistribute")
-        if target == self._spec.placements:
+    def redistribute(self, device_mesh: MeshLike | DeviceMeshNames | PlacementsLike = None,
+                     placements: PlacementsLike = None, *, async_op: bool = False,
+                     forward_dtype: torch.dtype | None = None, backward_dtype: torch.dtype | None = None
+                     ) -> MeshTensor:
+        """The same global tensor with new placements (collectives run on the workers, asynchronously
+        whatever `async_op` says: every op is). Monarch's forms `t.redistribute({"tp": Shard(0)})` and
+        `t.redistribute([...])` stand next to DTensor's `t.redistribute(mesh, [...])`, where the mesh is
+        the tensor's own or a submesh `mesh["tp"]` of it (then the placements name its dims, the other
+        dims Replicate). `forward_dtype` converts the pieces first; with it or `backward_dtype`, the
+        gradient is converted to `backward_dtype` (default: this tensor's dtype), redistributed back to
+        these placements (a Partial dim gets Replicate) and converted to this tensor's dtype, as DTensor's
+        backward does; without either, the gradient passes back as it is placed."""
+        if isinstance(device_mesh, (Mapping, list, tuple)):
+            if placements is not None:
+                raise ShardingError("redistribute: placements given twice; call t.redistribute(placements) or "
+                                    "t.redistribute(device_mesh, placements)")
+            device_mesh, placements = None, device_mesh
+        target = normalize(_on_own_mesh(self, device_mesh, placements), self._spec.mesh.labels, self.ndim,
+                           "redistribute")
+        dtype = forward_dtype or self.dtype
+        if target == self._spec.placements and dtype == self.dtype:
             return self
-        return _Redistribute.apply(self, target)
+        back = None if forward_dtype is None and backward_dtype is None else backward_dtype or self.dtype
+        return _Redistribute.apply(self, target, dtype, back)
 
     def to_mesh(self, mesh: MeshLike, placements: Mapping[str, Placement] | Sequence[Placement] | None = None
                 ) -> MeshTensor:
@@ -146,18 +166,42 @@ class MeshTensor(torch.Tensor):
         return self.__matmul__(other)
 
     # -- sync points -----------------------------------------------------------------------------
-    def full_tensor(self, timeout: float | None = None) -> torch.Tensor:
-        """The whole tensor as a plain torch.Tensor on the controller (runs everything pending)."""
+    def full_tensor(self, timeout: float | None = None, *, grad_placements: PlacementsLike = None) -> torch.Tensor:
+        """The whole tensor as a plain torch.Tensor on the controller (runs everything pending).
+        Differentiable: a gradient reaching it is placed as `grad_placements` (default Replicate), then
+        redistributed to this tensor's placements as redistribute's backward does (DTensor's rule)."""
+        if not (self.requires_grad and torch.is_grad_enabled()):
+            return self._value(timeout)
+        ps = normalize(grad_placements, self._spec.mesh.labels, self.ndim, "full_tensor(grad_placements=)")
+        return _FullTensor.apply(self, ps, timeout)
+
+    def _value(self, timeout: float | None = None) -> torch.Tensor:
         return self._backend.fetch(self).get(timeout)
 
+    def to_local(self, *, grad_placements: PlacementsLike = None) -> Any:
+        """Each rank's local piece, fetched to the controller: a ValueMesh of plain tensors by mesh point
+        (a sync point). Differentiable: the pieces' gradients form this tensor's, placed as
+        `grad_placements` (default: Shard where this tensor is sharded, else Partial, summing them)."""
+        return _boundary().to_local(self, grad_placements)
+
+    @staticmethod
+    def from_local(local_tensor: Any, device_mesh: MeshLike | DeviceMeshNames | None = None,
+                   placements: PlacementsLike = None, *, run_check: bool = False,
+                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> MeshTensor:
+        """A MeshTensor from local pieces: a ValueMesh of them, a list in rank order (row-major over the
+        mesh dims), or one tensor as the piece of every rank. `shape`/`stride` give the global shape of
+        uneven pieces (default: even ones, as DTensor infers); `run_check` checks that Replicate pieces
+        agree. Differentiable: each piece gets its part of the gradient."""
+        return _boundary().from_local(local_tensor, device_mesh, placements, run_check, shape, stride)
+
     def item(self) -> Any:  # type: ignore[override]
-        return self.full_tensor().item()
+        return self._value().item()
 
     def tolist(self) -> Any:  # type: ignore[override]
-        return self.full_tensor().tolist()
+        return self._value().tolist()
 
     def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
-        return self.full_tensor().numpy()
+        return self._value().numpy()
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         where = f"mesh=({self._spec.mesh.label()}), placements={self._spec.placement_str()}"
@@ -166,13 +210,13 @@ class MeshTensor(torch.Tensor):
         with contextlib.ExitStack() as modes:  # off while fetching and printing: activate()'s factories would
             for _ in range(torch._C._len_torch_function_stack()):  # make their tensors MeshTensors
                 modes.enter_context(torch.overrides._pop_mode_temporarily())
-            body = repr(self.full_tensor())
+            body = repr(self._value())
         return f"MeshTensor({body}, {where})"
 
     __str__ = __repr__  # type: ignore[assignment]
 
     def __format__(self, spec: str) -> str:
-        return self.full_tensor().__format__(spec)
+        return self._value().__format__(spec)
 
     def __reduce_ex__(self, proto: Any) -> Any:
         raise ShardingError("a MeshTensor cannot be pickled (its data lives on the workers); call .full_tensor() "
@@ -191,19 +235,85 @@ _TENSOR_DATA = torch._C.TensorBase.data  # torch's own `.data` (shape, dtype and
 
 
 class _Redistribute(torch.autograd.Function):
-    """Redistribution as an autograd op: the gradient passes through as it is (a global tensor's values
-    do not depend on its placements, so the gradient's own placements are as good as any)."""
+    """Redistribution as an autograd op (pieces converted to `dtype` first). Without a backward dtype
+    the gradient passes through as it is (a global tensor's values do not depend on its placements, so
+    the gradient's own placements are as good as any); with one, as DTensor's backward (`_placed_back`)."""
 
     @staticmethod
-    def forward(ctx: Any, t: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
-        return t._backend.redistribute(t, placements)
+    def forward(ctx: Any, t: MeshTensor, placements: tuple[Placement, ...], dtype: torch.dtype,
+                back: torch.dtype | None) -> MeshTensor:
+        ctx.source, ctx.back = (t._spec.placements, t.dtype), back
+        return t._backend.redistribute(_as(t, dtype), placements)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: MeshTensor) -> tuple[torch.Tensor, None, None, None]:
+        placements, dtype = ctx.source
+        if ctx.back is not None:
+            grad = _placed_back(_as(grad, ctx.back), placements)
+        return _as(grad, dtype), None, None, None
 
 
-def _backend_of(func: Any, args: tuple, kwargs: dict | None) -> Backend:
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _placed_back(grad: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
+    """A gradient redistributed to an input's placements, a Partial dim getting Replicate (DTensor's rule)."""
+    return grad.redistribute(tuple(Replicate() if p.is_partial() else p for p in placements))
+
+
+def _on_own_mesh(t: MeshTensor, mesh: MeshLike | DeviceMeshNames | None, placements: PlacementsLike
+                 ) -> PlacementsLike:
+    """`placements` for the dims of `t`'s mesh, given for `mesh` (None, `t`'s mesh or a submesh of it)."""
+    if mesh is None or mesh is t.mesh or mesh == t.mesh:
+        return placements
+    if isinstance(mesh, SubMesh) and (mesh.root is t.mesh or mesh.root == t.mesh):
+        return mesh.placements(placements)
+    raise ShardingError(f"redistribute: device_mesh {mesh!r} is not the tensor's mesh {t.mesh!r} nor a submesh "
+                        "of it; a redistribution cannot cross meshes: move the tensor with t.to_mesh(mesh, "
+                        "placements)")
+
+
+class _FullTensor(torch.autograd.Function):
+    """full_tensor as an autograd op: the controller's gradient goes back to the mesh."""
+
+    @staticmethod
+    def forward(ctx: Any, t: MeshTensor, grad_placements: tuple[Placement, ...], timeout: float | None
+                ) -> torch.Tensor:
+        ctx.backend, ctx.placements, ctx.grad_placements = t._backend, t._spec.placements, grad_placements
+        return t._value(timeout)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[MeshTensor, None, None]:
+        return _placed_back(ctx.backend.place(grad, ctx.grad_placements), ctx.placements), None, None
+
+
+class Boundary(Protocol):
+    """The controller's side of to_local and from_local (monarch.runtime.session.boundary, which registers
+    itself with `serve` when the tensor API loads)."""
+
+    def to_local(self, t: MeshTensor, grad_placements: PlacementsLike) -> Any: ...
+
+    def from_local(self, local_tensor: Any, device_mesh: MeshLike | DeviceMeshNames | None,
+                   placements: PlacementsLike, run_check: bool, shape: Sequence[int] | None,
+                   stride: Sequence[int] | None) -> MeshTensor: ...
+
+
+_BOUNDARY: list[Boundary] = []
+
+
+def serve(boundary: Boundary) -> None:
+    _BOUNDARY[:] = [boundary]
+
+
+def _boundary() -> Boundary:
+    if not _BOUNDARY:
+        raise ShardingError("to_local/from_local need monarch's tensor API, which is not loaded yet: import "
+                            "monarch.dtensor (or make a tensor with monarch.distribute_tensor) first")
+    return _BOUNDARY[0]
+
+
+def backend_of(func: Any, args: tuple, kwargs: dict | None) -> Backend:
     """The one backend of the MeshTensor arguments; tensors of two meshes fail here, before anything is
     recorded or shipped (a redistribution cannot cross meshes)."""
     if not kwargs and len(args) == 1 and type(args[0]) is MeshTensor:  # the common unary op: nothing to compare
@@ -230,4 +340,4 @@ def _tensor_args(args: tuple, kwargs: dict | None) -> Iterator[MeshTensor]:
             yield from (b for b in a if type(b) is MeshTensor)
 
 
-dynamo.run_eagerly(MeshTensor, _Redistribute)
+dynamo.run_eagerly(MeshTensor, _Redistribute, _FullTensor)

@@ -24,12 +24,12 @@ from monarch.program.instr import Local
 from monarch.runtime.control.client import register_tensor_api
 from monarch.runtime.control.futures import Future
 from monarch.runtime.engine import kernels
-from monarch.runtime.session import torch_state
+from monarch.runtime.session import boundary, torch_state
 from monarch.runtime.session.session import Session, all_sessions, session_of
 from monarch.shape import MeshLike
 from monarch.tensor.device import device_type
 from monarch.tensor.dynamo import eager_under_torch_compile
-from monarch.tensor.meshtensor import MeshTensor
+from monarch.tensor.meshtensor import MeshTensor, serve
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
 from monarch.tensor.random import next_seed
 from monarch.tensor.spec import Spec, spec_of
@@ -338,3 +338,4 @@ FACTORIES: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
 
 torch_state.install(distribute_tensor)  # loaded optimizer state lands like its parameter; torch.save guarded
 register_tensor_api(sys.modules[__name__])  # ProcMesh.activate and ProcMesh.rank reach this module
+serve(boundary)  # MeshTensor.to_local and from_local reach the session through it

@@ -17,18 +17,17 @@ from monarch.errors import ShardingError
 from monarch.graph.rules.table import Emit
 from monarch.program.instr import Buf, Local
 from monarch.runtime.control import codec
-from monarch.runtime.session.api import PlacementsArg
 from monarch.runtime.session.session import Session, _target
 from monarch.tensor.dynamo import eager_under_torch_compile
-from monarch.tensor.meshtensor import MeshTensor
+from monarch.tensor.meshtensor import MeshTensor, PlacementsLike, backend_of
 from monarch.tensor.placement import Partial, Placement, Replicate, Shard, normalize
 from monarch.tensor.spec import Spec
 
 _BACKWARD = "monarch::local_map_backward"
 
 
-def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | None],
-              out_placements: PlacementsArg | Sequence[PlacementsArg]) -> Callable[..., Any]:
+def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsLike | None],
+              out_placements: PlacementsLike | Sequence[PlacementsLike]) -> Callable[..., Any]:
     """`fn` run on each rank's local pieces: MeshTensor arguments are redistributed to `in_placements`
     (one entry per positional argument; None keeps a tensor as it is), and the local results form
     MeshTensors placed as `out_placements` (one entry per output when fn returns a tuple).
@@ -37,6 +36,14 @@ def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | No
     placed Shard where the input is sharded and Partial(sum) elsewhere (each rank's contribution); an
     output's gradient reaches the ranks as the output is placed, with Replicate and Partial swapped
     (a replicated output counts once, each piece of a Partial one gets the whole gradient)."""
+    return mapped(fn, in_placements, out_placements)
+
+
+def mapped(fn: Callable[..., Any], in_placements: Sequence[PlacementsLike | None],
+           out_placements: PlacementsLike | Sequence[PlacementsLike],
+           in_grad_placements: Sequence[PlacementsLike | None] | None = None) -> Callable[..., Any]:
+    """local_map, with the placements of the inputs' gradients when given (one entry per argument; None
+    keeps the rule above), as DTensor's local_map takes them."""
     blob, name = codec.dumps(fn), getattr(fn, "__qualname__", repr(fn))
 
     @eager_under_torch_compile
@@ -45,14 +52,17 @@ def local_map(fn: Callable[..., Any], in_placements: Sequence[PlacementsArg | No
         if not tensors or len(in_placements) != len(args):
             raise ShardingError(f"local_map({getattr(fn, '__name__', fn)}): give one in_placements entry per "
                                 f"argument ({len(args)}), and at least one MeshTensor argument")
-        s = tensors[0]._backend
+        s = backend_of(f"local_map({name})", tuple(tensors), None)
         assert isinstance(s, Session)
         moved = [a.redistribute(p) if isinstance(a, MeshTensor) and p is not None else a
                  for a, p in zip(args, in_placements, strict=True)]
         multi = isinstance(out_placements, (list, tuple)) and bool(out_placements) and \
             not isinstance(out_placements[0], Placement)
         outs: list[Any] = list(out_placements) if multi else [out_placements]
-        call = _Call(fn, blob, name, s, tuple(moved), _specs(fn, moved, outs, s))
+        grads = tuple(None if g is None or not isinstance(a, MeshTensor) else
+                      grad_spec(a._spec, g, f"local_map({name}) in_grad_placements")
+                      for a, g in zip(moved, in_grad_placements or [None] * len(moved), strict=True))
+        call = _Call(fn, blob, name, s, tuple(moved), _specs(fn, moved, outs, s), grads)
         ins = [a for a in moved if isinstance(a, MeshTensor)]
         if torch.is_grad_enabled() and any(t.requires_grad for t in ins):
             results = _LocalMap.apply(call, *ins)
@@ -72,6 +82,7 @@ class _Call:
     session: Session
     args: tuple[Any, ...]
     specs: tuple[Spec, ...]
+    grads: tuple[Spec | None, ...]  # per argument: its gradient's spec when given, else None (the rule)
 
     def forward(self, needs: tuple[int, ...]) -> list[MeshTensor]:
         """The results; with `needs` (positions of the arguments that need a gradient), also the tape."""
@@ -91,18 +102,17 @@ class _Call:
 
     def backward(self, tape: MeshTensor, inputs: tuple[Spec, ...],
                  grads: Sequence[MeshTensor | None]) -> list[MeshTensor]:
-        """The gradients of the arguments that needed one (their specs at the forward: `inputs`) from the
-        outputs' (None: no gradient reached that output)."""
+        """The gradients, specs `inputs`, of the arguments that needed one from the outputs' (None: no
+        gradient reached that output)."""
         tracer = self.session.tracer
-        placed = [None if g is None else g.redistribute(_cotangent(spec.placements))
+        placed = [None if g is None else g.redistribute(cotangent(spec.placements))
                   for g, spec in zip(grads, self.specs, strict=True)]
         srcs = [tracer.moved(t, t._spec) for t in (tape, *(g for g in placed if g is not None))]
         bufs = iter([Buf(i) for _, i in srcs])
         args = (next(bufs), *(None if g is None else next(bufs) for g in placed))
-        specs = tuple(spec.with_placements(_gradient(spec.placements)) for spec in inputs)
-        node, ids = tracer.node(_target(_BACKWARD), tuple(n for n, _ in srcs), specs,
+        node, ids = tracer.node(_target(_BACKWARD), tuple(n for n, _ in srcs), inputs,
                                 lambda ctx: [Local(_BACKWARD, args, {}, ctx.out_ids)])
-        return [tracer.wrap(spec, node, i) for spec, i in zip(specs, ids, strict=True)]
+        return [tracer.wrap(spec, node, i) for spec, i in zip(inputs, ids, strict=True)]
 
 
 class _LocalMap(torch.autograd.Function):
@@ -113,7 +123,8 @@ class _LocalMap(torch.autograd.Function):
         positions = [i for i, a in enumerate(call.args) if isinstance(a, MeshTensor)]
         needs = tuple(p for p, t in zip(positions, ins, strict=True) if t.requires_grad)
         ctx.call, ctx.wanted = call, [t.requires_grad for t in ins]
-        ctx.inputs = tuple(t._spec for t in ins if t.requires_grad)
+        ctx.inputs = tuple(call.grads[p] or t._spec.with_placements(gradient(t.placements))
+                           for p, t in zip(positions, ins, strict=True) if t.requires_grad)
         *outs, tape = call.forward(needs)
         ctx.save_for_backward(tape)  # freed after the backward, as torch frees what an op saved
         ctx.set_materialize_grads(False)
@@ -127,24 +138,34 @@ class _LocalMap(torch.autograd.Function):
         return (None, *(next(got) if wanted else None for wanted in ctx.wanted))
 
 
-def _cotangent(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+def cotangent(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
     """Where an output's gradient goes: a replicated output counts once (Partial: one rank of the dim
     holds it), each piece of a Partial one gets all of it (Replicate)."""
     return tuple(Replicate() if p.is_partial() else Partial() if isinstance(p, Replicate) else p
                  for p in placements)
 
 
-def _gradient(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+def gradient(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
     """An input's gradient: each rank's contribution to the piece it was given."""
     return tuple(p if isinstance(p, Shard) else Partial() for p in placements)
 
 
-def _specs(fn: Callable[..., Any], args: list[Any], outs: list[PlacementsArg], s: Session) -> tuple[Spec, ...]:
+def grad_spec(spec: Spec, placements: PlacementsLike, what: str) -> Spec:
+    """`spec` placed as a gradient's `placements`, which must give each rank a piece of the same shape."""
+    ps = normalize(placements, spec.mesh.labels, spec.ndim, what)
+    out = spec.with_placements(ps)
+    if any(out.local_shape(c) != spec.local_shape(c) for c in spec.mesh.coords()):
+        raise ShardingError(f"{what}: {list(ps)} for a tensor placed {list(spec.placements)} gives pieces of other "
+                            "shapes; give gradient placements that shard the same dims the same way")
+    return out
+
+
+def _specs(fn: Callable[..., Any], args: list[Any], outs: list[PlacementsLike], s: Session) -> tuple[Spec, ...]:
     """Global output specs, from running fn on meta tensors of every rank's local shapes."""
     per_rank = []
     for coords in s.abstract.coords():
-        metas = [torch.empty(a._spec.local_shape(coords), dtype=a.dtype, device="meta")
-                 if isinstance(a, MeshTensor) else a for a in args]
+        metas = [torch.empty(a._spec.local_shape(coords), dtype=a.dtype, device="meta") if isinstance(a, MeshTensor)
+                 else a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
         r = fn(*metas)
         per_rank.append(list(r) if isinstance(r, (tuple, list)) else [r])
     if len(per_rank[0]) != len(outs):
