@@ -2,7 +2,9 @@
 torch.distributed.device_mesh runs with its imports changed to monarch.dtensor (README "DTensor names").
 
 `DTensor` is `monarch.MeshTensor`, a `DeviceMesh` is a ProcMesh or LocalMesh (or a submesh `mesh["tp"]`);
-`monarch.dtensor.device_mesh` and `monarch.dtensor.debug` mirror torch's modules.
+`monarch.dtensor.device_mesh`, `monarch.dtensor.debug` and `monarch.dtensor.experimental` (local_map) mirror
+torch's modules; `DTensor.from_local`, `to_local` and `full_tensor(grad_placements=)` cross the local/global
+boundary in a single controller's meaning.
 """
 from __future__ import annotations
 
