@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -21,6 +21,7 @@ from monarch.tensor.placement import Placement, Replicate, normalize
 from monarch.tensor.spec import Spec
 
 PlacementsLike = Mapping[str, Placement] | Sequence[Placement] | None
+_T = TypeVar("_T", bound=torch.Tensor)
 
 
 class Backend(Stages, Protocol):
@@ -253,8 +254,9 @@ class _Redistribute(torch.autograd.Function):
         return _as(grad, dtype), None, None, None
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
+def _as(t: _T, dtype: torch.dtype) -> _T:
+    """`t` in `dtype` (itself when it is already)."""
+    return t if t.dtype == dtype else t.to(dtype)  # type: ignore[return-value] - to() keeps the subclass
 
 
 def _placed_back(grad: MeshTensor, placements: tuple[Placement, ...]) -> MeshTensor:
