@@ -60,10 +60,10 @@ ONE: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[..., torch.Tensor]]
 
 def gathered(case: Case, shape: tuple[int, ...], core: int) -> int:
     """On how many mesh dims the only input must move: where it is Partial, or sharded on a matrix dim or
-    on a batch dim of size 1 (nothing to shard it by)."""
+    on a batch dim of size 1 (nothing to shard it by); a mesh dim of one rank moves nothing."""
     ndim = len(shape)
-    return sum(p.is_partial() or (isinstance(p, Shard) and (p.dim >= ndim - core or shape[p.dim] == 1))
-               for p in case.placed[0])
+    return sum(n > 1 and (p.is_partial() or (isinstance(p, Shard) and (p.dim >= ndim - core or shape[p.dim] == 1)))
+               for p, n in zip(case.placed[0], case.dims.values(), strict=True))
 
 
 @pytest.mark.parametrize("name", sorted(ONE))
