@@ -65,14 +65,14 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_FLUSH_OPS", "20000", "recorded ops after which the pending graph is shipped without a sync"),
     Flag("MONARCH_HEARTBEAT_TIMEOUT", "5", "seconds a worker may be silent (no heartbeat) before its mesh fails "
          "(0: never)"),
+    Flag("MONARCH_PRELOAD_TORCH", "auto", "on: each worker imports torch on a background thread once it connected, "
+         "so that its first tensor operation does not wait for all of it; off: on the first tensor operation; auto: "
+         "on where the host has two cores for each of its workers (the import takes seconds of CPU)"),
     Flag("MONARCH_TELEMETRY_RETAIN", "100000", "telemetry rows kept per table on the controller; the oldest "
          "are dropped beyond it (0: keep all)"),
     Flag("MONARCH_QUERY_TIMEOUT", "30", "seconds a telemetry SQL query may run (procs.sql, monarch.sql, `monarch "
          "query`) before it is cancelled with QueryTimeout; an admin client may ask for less (0: no limit)"),
     Flag("MONARCH_MAX_LOCAL_PROCS", "", "most worker processes of one local mesh (default: 16 per core)"),
-    Flag("MONARCH_PRELOAD_TORCH", "auto", "on: each worker imports torch on a background thread once it connected, "
-         "so that its first tensor operation does not wait for all of it; off: on the first tensor operation; auto: "
-         "on where the host has two cores for each of its workers (the import takes seconds of CPU)"),
     Flag(ATTACH_SECRET, "", "attach mode: the secret shared by the controller and the agents (`python -m monarch "
          "worker`); agents keep it out of what they start"),
     Flag("MONARCH_ATTACH_SECRET_FILE", "", "attach mode: a file holding that secret, read when "
@@ -266,6 +266,11 @@ def heartbeat_timeout() -> float:
     return _float("MONARCH_HEARTBEAT_TIMEOUT")
 
 
+def preload_torch() -> str:
+    """MONARCH_PRELOAD_TORCH: auto, on or off."""
+    return _parse("MONARCH_PRELOAD_TORCH", _choice("auto", "on", "off"))
+
+
 def telemetry_retain() -> int:
     return _int("MONARCH_TELEMETRY_RETAIN")
 
@@ -281,11 +286,6 @@ def max_local_procs() -> int:
 
 def attach_bytes() -> int:
     return _int("MONARCH_ATTACH_BYTES")
-def preload_torch() -> str:
-    """MONARCH_PRELOAD_TORCH: auto, on or off."""
-    return _parse("MONARCH_PRELOAD_TORCH", _choice("auto", "on", "off"))
-
-
 
 
 def device() -> str:
