@@ -5,7 +5,7 @@
 # make test-opinfo: the OpInfo tier (marked `opinfo`): torch's OpInfo samples of every op monarch claims, sharded
 #   on a real mesh against plain torch (about 2 minutes).
 # make test-e2e: the end-to-end tier (marked `end_to_end`): tests/end_to_end, models and examples trained on
-#   real meshes against plain torch (about 1.5 minutes).
+#   real meshes against plain torch, and the DTensor programs of tests/dtensor on real meshes (about 3 minutes).
 # make test-cluster: the cluster tier (tests/cluster): the launchers (attach agents, Kubernetes manifests) and
 #   meshes across test hosts made of network namespaces with a real sshd and Slurm (those need root and
 #   .ci/cluster-packages; they skip with one line otherwise).

@@ -48,14 +48,15 @@ def leftovers(owner: int, allowed: set[int], timeout: float = 10.0) -> dict[int,
 
 DATAPLANE = ("rdma", "runtime/engine", "runtime/session/test_to_mesh.py", "end_to_end/test_mesh_to_mesh_examples.py")
 OPINFO = ("graph/test_opinfo.py",)  # the OpInfo sweep: every sample of every claimed op on a real mesh
-END_TO_END = ("end_to_end",)  # models and examples trained on real meshes against plain torch
+END_TO_END = ("end_to_end", "dtensor/test_api_procs.py", "dtensor/test_parallel_procs.py",  # models, examples and
+              "dtensor/test_meta_procs.py", "dtensor/test_meta_example.py")  # DTensor programs on real meshes
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `slow` every test that starts worker processes: it uses a mesh fixture, or its module spawns; and
     `dataplane` the tests of the data plane (their own tier, `make test-dataplane`), `opinfo` the OpInfo sweep
-    (`make test-opinfo`), `end_to_end` the end-to-end training runs (`make test-e2e`; the data-plane examples
-    stay in theirs)."""
+    (`make test-opinfo`), `end_to_end` the end-to-end training runs and DTensor programs on real meshes
+    (`make test-e2e`; the data-plane examples stay in theirs)."""
     spawns: dict[Path, bool] = {}
     tests = Path(__file__).resolve().parent
     for item in items:
