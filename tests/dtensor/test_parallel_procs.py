@@ -17,17 +17,9 @@ from torch import nn
 from monarch.dtensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from monarch.dtensor.debug import CommDebugMode
 from monarch.dtensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+from tests.end_to_end.test_parallel import MLP
 
 T = 60.0  # seconds any single wait may take (the workers load torch on the first tensor op)
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int = 8, hidden: int = 16) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from monarch.dtensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -22,17 +21,9 @@ from monarch.dtensor.parallel import (ColwiseParallel, PrepareModuleInput, Prepa
                                       SequenceParallel, parallelize_module)
 from monarch.errors import MeshError, ShardingError
 from monarch.runtime.session.local import LocalMesh
+from tests.end_to_end.test_parallel import MLP
 
 PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int = 8, hidden: int = 16) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 def collectives(fn: Callable[[], Any]) -> tuple[list[str], Any]:
