@@ -48,8 +48,8 @@ def leftovers(owner: int, allowed: set[int], timeout: float = 10.0) -> dict[int,
 
 DATAPLANE = ("rdma", "runtime/engine", "runtime/session/test_to_mesh.py", "end_to_end/test_mesh_to_mesh_examples.py")
 OPINFO = ("graph/test_opinfo.py",)  # the OpInfo sweep: every sample of every claimed op on a real mesh
-END_TO_END = ("end_to_end", "dtensor/test_api_procs.py", "dtensor/test_parallel_procs.py",  # models, examples and
-              "dtensor/test_meta_procs.py", "dtensor/test_meta_example.py")  # DTensor programs on real meshes
+ON_PROCS = ("test_api_procs", "test_parallel_procs", "test_meta_procs", "test_meta_example", "test_dtensor_programs")
+END_TO_END = ("end_to_end", *(f"dtensor/{name}.py" for name in ON_PROCS))  # models, examples, DTensor programs
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

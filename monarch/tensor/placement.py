@@ -21,7 +21,10 @@ class Placement:
     def is_shard(self, dim: int | None = None) -> bool:
         return False
 
-    def is_partial(self) -> bool:
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
         return False
 
 
@@ -40,6 +43,9 @@ class Shard(Placement):
 @dataclass(frozen=True, slots=True)
 class Replicate(Placement):
     """Every rank of the mesh dim holds the whole tensor."""
+
+    def is_replicate(self) -> bool:
+        return True
 
     def __repr__(self) -> str:
         return "R"
@@ -61,8 +67,8 @@ class Partial(Placement):
     def reduce_op(self) -> str:
         return self.op
 
-    def is_partial(self) -> bool:
-        return True
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or reduce_op == self.op
 
     def __repr__(self) -> str:
         return f"P({self.op})"

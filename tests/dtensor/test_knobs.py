@@ -18,8 +18,11 @@ def mesh() -> LocalMesh:
     return LocalMesh({"dp": 2, "tp": 2})
 
 
-def test_partial_spellings() -> None:
+def test_partial_spellings_and_placement_predicates() -> None:
     assert Partial("avg") == Partial(reduce_op="avg") == Partial(op="avg") and Partial().reduce_op == "sum"
+    assert Replicate().is_replicate() and not Shard(0).is_replicate() and not Partial().is_replicate()
+    assert Partial("avg").is_partial() and Partial("avg").is_partial("avg") and not Partial().is_partial("avg")
+    assert Shard(1).is_shard() and Shard(1).is_shard(1) and not Shard(1).is_shard(0) and not Replicate().is_partial()
     with pytest.raises(ShardingError, match="avgg"):
         Partial("avgg")
 
