@@ -65,9 +65,10 @@ FLAGS: dict[str, Flag] = {f.name: f for f in [
     Flag("MONARCH_FLUSH_OPS", "20000", "recorded ops after which the pending graph is shipped without a sync"),
     Flag("MONARCH_HEARTBEAT_TIMEOUT", "5", "seconds a worker may be silent (no heartbeat) before its mesh fails "
          "(0: never)"),
-    Flag("MONARCH_PRELOAD_TORCH", "auto", "on: each worker imports torch on a background thread once it connected, "
+    Flag("MONARCH_PRELOAD_TORCH", "off", "on: each worker imports torch on a background thread once it connected, "
          "so that its first tensor operation does not wait for all of it; off: on the first tensor operation; auto: "
-         "on where the host has two cores for each of its workers (the import takes seconds of CPU)"),
+         "on where the host has two cores for each of its workers (the import takes seconds of CPU). While a worker "
+         "imports torch its silence is excused (up to 120 s), so a host lost meanwhile is found late: off by default"),
     Flag("MONARCH_TELEMETRY_RETAIN", "100000", "telemetry rows kept per table on the controller; the oldest "
          "are dropped beyond it (0: keep all)"),
     Flag("MONARCH_QUERY_TIMEOUT", "30", "seconds a telemetry SQL query may run (procs.sql, monarch.sql, `monarch "
