@@ -8,6 +8,7 @@ pieces concatenated along its dim. Every member computes the same layout from th
 """
 from __future__ import annotations
 
+import functools
 from math import prod
 
 import torch
@@ -15,8 +16,10 @@ import torch
 from monarch.program.instr import Comm, Start
 
 
+@functools.lru_cache(maxsize=1024)
 def comm(ins: Start) -> Comm:
-    """The one collective that carries bucket `ins` (its src and out ids are not used)."""
+    """The one collective that carries bucket `ins` (its src and out ids are not used); computed once per
+    bucket of an installed program, which runs at every step."""
     if ins.kind == "all_reduce":
         n = sum(prod(s) for s in ins.shapes)
         return Comm("all_reduce", -1, -1, ins.mdim, ((n,),), ins.dtype, op=ins.op)
